@@ -1,0 +1,1 @@
+"""The `digenrl` command line (installed as the `digenrl_cli` package)."""

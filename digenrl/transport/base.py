@@ -1,0 +1,82 @@
+"""The one interface every transport implements.
+
+A transport is an *endpoint*: it has an ``address`` that peers send to, a ``send`` that delivers a
+small msgpack-able header plus a payload to another endpoint's address, and a ``recv`` that yields
+messages in arrival order (FIFO per sender). The payload is any nesting of dict/list/tuple, str, int,
+float, bool, None, bytes and ``torch.Tensor`` (a state dict, a batch of latents, call arguments);
+the codec sends its tensors as raw frames, never pickled. Which implementation serves a link is a config choice
+(``inproc``, ``zmq``, ``torchdist``, ``cuda_ipc``); the actor runtime sees only this interface.
+
+Contract (checked by ``tests/transport/test_conformance.py`` for every implementation):
+  * messages from one sender arrive in the order they were sent;
+  * tensors arrive bit for bit (dtype, shape, values), whatever their size;
+  * ``aclose()`` wakes a pending ``recv`` with ``TransportClosed``;
+  * cancelling a pending ``recv`` loses no message: the next ``recv`` returns it;
+  * a send to, or a pending exchange with, a peer that died raises ``TransportBroken``.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+
+__all__ = ["Message", "Transport"]
+
+
+@dataclass(slots=True)
+class Message:
+    """One received message: who sent it, its msgpack-able header and its payload (tensors inside)."""
+
+    src: str
+    header: dict[str, Any]
+    payload: Any = None
+
+
+class Transport(abc.ABC):
+    """An addressable endpoint that sends and receives ``Message``s.
+
+    Capability flags (after Ray's compiled-graph channel contract):
+      zero_copy: large CPU tensors cross without a host copy on the send side.
+      device_direct: CUDA tensors cross without staging through host memory.
+      can_abort: a pending ``send`` can be cancelled without corrupting the link.
+    """
+
+    kind: ClassVar[str]
+    zero_copy: ClassVar[bool] = False
+    device_direct: ClassVar[bool] = False
+    can_abort: ClassVar[bool] = True
+
+    @property
+    @abc.abstractmethod
+    def address(self) -> str:
+        """Where peers reach this endpoint (e.g. ``inproc://rollout-0``, ``tcp://127.0.0.1:5555``)."""
+
+    @abc.abstractmethod
+    async def send(self, dst: str, header: dict[str, Any], payload: Any = None) -> None:
+        """Deliver ``header`` and ``payload`` to the endpoint at ``dst``.
+
+        Raises:
+            TransportClosed: this endpoint was closed.
+            TransportBroken: the peer at ``dst`` is gone.
+            ProtocolError: the message is over the size limits.
+        """
+
+    @abc.abstractmethod
+    async def recv(self) -> Message:
+        """Wait for the next message addressed to this endpoint.
+
+        Raises:
+            TransportClosed: this endpoint was closed (also wakes a pending call).
+        """
+
+    @abc.abstractmethod
+    async def aclose(self) -> None:
+        """Close the endpoint and release its sockets/buffers. Idempotent."""
+
+    async def __aenter__(self) -> Transport:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()

@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Sets up .venv with digenrl and its test tools. Idempotent: a second run installs nothing new.
+# On a machine without an NVIDIA GPU it installs the CPU build of torch, never a multi-GB CUDA one.
+set -euo pipefail
+cd "$(dirname "$0")"
+PY=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+pip() { .venv/bin/python -m pip --disable-pip-version-check -q "$@"; }
+if ! .venv/bin/python -c "import torch" 2>/dev/null; then
+  if command -v nvidia-smi >/dev/null 2>&1; then
+    pip install "torch==2.13.0"
+  # A CPU wheel on local disk (find-links) first; else the CPU index of the PyTorch project.
+  elif ! pip install --no-index "torch==2.13.0" 2>/dev/null; then
+    pip install "torch==2.13.0" --index-url https://download.pytorch.org/whl/cpu
+  fi
+fi
+pip install -e ".[dev]"
