@@ -8,6 +8,29 @@ processes or tensors: durations come from whoever runs the token, estimates from
 Versions: batch ``k`` is trained into version ``k + 1`` by one optimizer step. A rollout token carries
 the single ``policy_version`` its trajectory is generated with; ``staleness = k - policy_version``
 (0 on-policy, at most 1 with async1).
+
+Contract a driver relies on (real coordinator or simulator):
+
+- Every token names the device that runs it; a schedule only issues a token to an idle device, so a
+  device's queue is at most its running token. An ``OPTIM`` token is a collective: it also occupies
+  every device in ``Token.group`` (the device included) until its ``TokenDone``.
+- ``TokenDone(token)`` frees the device(s). ``observed_seconds`` (optional) lets the schedule learn
+  per-device speed online. ``TokenDone`` of a ``PUBLISH`` token means version ``policy_version`` is now
+  on every live rollout device (the device keeps the previous version too). ``TokenDone`` of a
+  ``REWARD`` token means its fragments are scored and their trajectories are durable (handed to the
+  fragment store); a fragment not yet scored lives only on the device named in ``Token.sources``.
+- ``DeviceDied(name)``: the device's running token is void (its ``TokenDone`` must not be sent
+  later); the schedule re-issues the lost work. A dead trainer's accumulated gradients are lost too,
+  so its rows of the current batch are re-trained elsewhere.
+- ``DeviceJoined(device)``: the device is up and already holds the newest published version.
+- ``Schedule.failed`` is a reason string once the run cannot continue (e.g. no trainer left); the
+  driver stops. ``Schedule.done`` is true once every batch's optimizer step has completed.
+
+What tokens carry for an executor: ``fragments`` (the samples: which prompts, which members of each
+prompt's group), ``step_start``/``step_end`` (denoising steps, ROLLOUT), ``sources`` (device holding
+each fragment's latents; ``""`` = start from noise), ``rows`` (TRAIN: which (sample x timestep)
+transitions of each fragment, see ``Fragment.row``), ``policy_version`` (the version that generated
+the samples: ROLLOUT generates with it, TRAIN checks staleness with it, PUBLISH publishes it).
 """
 
 from __future__ import annotations
@@ -20,6 +43,7 @@ from typing import Protocol
 __all__ = [
     "Role",
     "Device",
+    "Fragment",
     "Workload",
     "TokenKind",
     "Token",
@@ -35,7 +59,7 @@ __all__ = [
 class Role(enum.StrEnum):
     ROLLOUT = "rollout"
     TRAINER = "trainer"
-    REWARD = "reward"
+    REWARD = "reward"  # decodes and scores fragments; without one, the latents' holder scores
     HYBRID = "hybrid"  # colocated: samples, then trains
 
 
@@ -46,6 +70,49 @@ class Device:
     name: str
     role: Role
     speed: float = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class Fragment:
+    """A slice of logical batch ``batch`` along the generation axis.
+
+    It holds prompts ``[prompt_start, prompt_end)`` and, of each of those prompts' ``group_size``
+    samples, the members ``[member_start, member_end)``. Sample id (within the batch) of prompt ``p``,
+    member ``m`` is ``p * group_size + m``. Local sample ``i`` (0-based, prompt-major) and trained step
+    index ``t`` form training row ``i * trained_steps + t``.
+    """
+
+    batch: int
+    index: int
+    prompt_start: int
+    prompt_end: int
+    member_start: int
+    member_end: int
+    group_size: int
+
+    @property
+    def num_prompts(self) -> int:
+        return self.prompt_end - self.prompt_start
+
+    @property
+    def num_members(self) -> int:
+        return self.member_end - self.member_start
+
+    @property
+    def num_samples(self) -> int:
+        return self.num_prompts * self.num_members
+
+    def sample_id(self, local: int) -> int:
+        """Batch-level sample id of this fragment's ``local``-th sample."""
+        prompt = self.prompt_start + local // self.num_members
+        return prompt * self.group_size + self.member_start + local % self.num_members
+
+    def sample_ids(self) -> list[int]:
+        return [self.sample_id(i) for i in range(self.num_samples)]
+
+    def row(self, row: int, trained_steps: int) -> tuple[int, int]:
+        """``(sample id, trained step index)`` of training row ``row``."""
+        return self.sample_id(row // trained_steps), row % trained_steps
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +128,11 @@ class Workload:
     @property
     def samples_per_batch(self) -> int:
         return self.prompts_per_batch * self.group_size
+
+    @property
+    def rows_per_batch(self) -> int:
+        """Training rows (sample x trained step transitions) of one logical batch."""
+        return self.samples_per_batch * self.trained_steps
 
 
 class TokenKind(enum.StrEnum):
@@ -87,11 +159,24 @@ class Token:
     transitions: int = 0  # TRAIN: number of (sample x timestep) rows
     policy_version: int = 0
     meta: dict[str, object] = field(default_factory=dict, compare=False, hash=False)
+    fragments: tuple[Fragment, ...] = ()  # ROLLOUT (several = step-level batching), REWARD, TRAIN
+    rows: tuple[tuple[int, int], ...] = ()  # TRAIN: [start, end) training rows, one per fragment
+    sources: tuple[str, ...] = ()  # ROLLOUT/REWARD: holder of each fragment's latents, "" = fresh
+    group: tuple[str, ...] = ()  # OPTIM: all devices the collective occupies (device included)
+    packed: bool = False  # TRAIN: TSP packing of (sample x timestep) rows vs a per-timestep loop
+    helper: bool = False  # ROLLOUT/REWARD on a trainer (TAG)
+    switch_to: str = ""  # SWITCH: "rollout" or "train"
+
+    @property
+    def devices(self) -> tuple[str, ...]:
+        """Every device this token occupies while it runs."""
+        return self.group or (self.device,)
 
 
 @dataclass(frozen=True, slots=True)
 class TokenDone:
     token: Token
+    observed_seconds: float | None = None  # measured run time; schedules learn device speed from it
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,6 +202,7 @@ class Schedule(abc.ABC):
     """Base of the schedule state machines. Subclasses decide which tokens to emit and where."""
 
     name: str
+    failed: str | None = None  # set to a reason when the run cannot continue (e.g. no trainer left)
 
     @abc.abstractmethod
     def start(self) -> list[Token]:
