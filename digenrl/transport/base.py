@@ -18,11 +18,19 @@ Contract (checked by ``tests/transport/test_conformance.py`` for every implement
 from __future__ import annotations
 
 import abc
+import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from digenrl.errors import TransportBroken
 
-__all__ = ["Message", "Transport"]
+__all__ = ["Message", "PeerListener", "Transport"]
+
+log = logging.getLogger(__name__)
+
+# Called with (peer_address, error) when a peer this endpoint talks to is found dead.
+PeerListener = Callable[[str, TransportBroken], None]
 
 
 @dataclass(slots=True)
@@ -74,6 +82,33 @@ class Transport(abc.ABC):
     @abc.abstractmethod
     async def aclose(self) -> None:
         """Close the endpoint and release its sockets/buffers. Idempotent."""
+
+    # ---- peer-death notification (concrete, shared by every implementation) -----------------------
+
+    def add_peer_listener(self, listener: PeerListener) -> Callable[[], None]:
+        """Call ``listener(peer, error)`` whenever a peer this endpoint sent to is found dead.
+
+        The actor runtime uses this to fail the futures of calls pending on that peer with the
+        ``TransportBroken`` passed in. Listeners run on the event loop and must not block.
+
+        Returns:
+            A function that removes the listener.
+        """
+        listeners: list[PeerListener] = self.__dict__.setdefault("_peer_listeners", [])
+        listeners.append(listener)
+        return lambda: listeners.remove(listener) if listener in listeners else None
+
+    def _notify_peer_broken(self, peer: str, error: TransportBroken) -> None:
+        for listener in list(self.__dict__.get("_peer_listeners", ())):
+            try:
+                listener(peer, error)
+            except Exception:  # a buggy listener must not stop the others or the IO task
+                log.exception("peer listener %r failed for peer %s", listener, peer)
+
+    @property
+    def stats(self) -> dict[str, int]:
+        """Counters: ``sent``, ``received``, ``dropped`` (malformed input), ``staged`` (host fallbacks)."""
+        return self.__dict__.setdefault("_stats", {"sent": 0, "received": 0, "dropped": 0, "staged": 0})
 
     async def __aenter__(self) -> Transport:
         return self
