@@ -1,0 +1,76 @@
+"""``load_model``: one entry point from a (name, preset) pair to a :class:`GeneratorModel`.
+
+Names: ``qwenimage`` (default), ``flux``, ``wan21``, ``hunyuanvideo``. Presets: ``tiny`` and ``small``
+(random init of the real architecture, deterministic in ``seed``) and ``pretrained`` (a local
+diffusers directory, read strictly offline).
+"""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+
+import torch
+
+from digenrl.errors import ConfigError
+from digenrl.models.base import GeneratorModel
+
+__all__ = ["MODEL_NAMES", "PRESETS", "load_model"]
+
+# name -> (module, class); modules are imported lazily because each pulls in diffusers/transformers classes.
+_MODELS: dict[str, tuple[str, str]] = {
+    "qwenimage": ("digenrl.models.qwenimage", "QwenImageModel"),
+    "flux": ("digenrl.models.flux", "FluxModel"),
+    "wan21": ("digenrl.models.wan", "WanModel"),
+    "hunyuanvideo": ("digenrl.models.hunyuan", "HunyuanVideoModel"),
+}
+MODEL_NAMES: tuple[str, ...] = tuple(_MODELS)
+PRESETS: tuple[str, ...] = ("tiny", "small", "pretrained")
+
+
+def load_model(
+    name: str,
+    preset: str,
+    *,
+    path: str | Path | None = None,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+    resolution: tuple[int, int] | None = None,
+    num_frames: int | None = None,
+    guidance_scale: float | None = None,
+    text_len: int | None = None,
+) -> GeneratorModel:
+    """Build or load a generator.
+
+    Args:
+        name: one of ``MODEL_NAMES``.
+        preset: ``"tiny"``, ``"small"`` or ``"pretrained"``.
+        path: local diffusers pipeline directory; required for ``"pretrained"``, ignored otherwise.
+        device, dtype: where and in which precision the components live (fp32 is the CPU default).
+        seed: initialisation seed of the random presets.
+        resolution: ``(height, width)`` in pixels; default 64×64 for tiny/small, the model's native
+            size for pretrained.
+        num_frames: video frames (Wan2.1, HunyuanVideo; ``4k+1``); default 1, i.e. an image.
+        guidance_scale: CFG scale (Qwen-Image 4.0, Wan 4.5 by default) or guidance-embedding value
+            (FLUX 3.5, HunyuanVideo 6.0 by default).
+        text_len: fixed prompt-token length of the conditioning.
+
+    Raises:
+        ConfigError: unknown name or preset (the message lists the allowed values), or a missing or
+            incomplete ``path`` for ``"pretrained"``.
+    """
+    if name not in _MODELS:
+        raise ConfigError(f"model.name: unknown model {name!r}; allowed: {', '.join(MODEL_NAMES)}")
+    if preset not in PRESETS:
+        raise ConfigError(f"model.preset: unknown preset {preset!r}; allowed: {', '.join(PRESETS)}")
+    module, cls_name = _MODELS[name]
+    cls = getattr(importlib.import_module(module), cls_name)
+    kwargs = dict(path=path, device=device, dtype=dtype, seed=seed, resolution=resolution,
+                  guidance_scale=guidance_scale, text_len=text_len)
+    if num_frames is not None:
+        if name in ("qwenimage", "flux") and num_frames != 1:
+            raise ConfigError(f"model.num_frames: {name} is an image model; num_frames must be 1, got {num_frames}")
+        if name not in ("qwenimage", "flux"):
+            kwargs["num_frames"] = num_frames
+    return cls.create(preset, **kwargs)
