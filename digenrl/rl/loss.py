@@ -1,0 +1,141 @@
+"""The clipped GRPO surrogate with a KL penalty to the reference policy (ALGORITHM (12)-(15)).
+
+Per trained transition (one row): ``r = exp(l_theta - l_old)``,
+``L_clip = max(-A r, -A clip(r, 1 - eps, 1 + eps))`` and ``L = L_clip + beta * KL``, with
+
+* ``kl="exact"`` (default): the exact KL between the two Gaussian transitions of equal std,
+  ``mean_d (mu_theta - mu_ref)^2 / (2 s^2)`` (Flow-GRPO's Wan2.1 code);
+* ``kl="g2"``: Flow-GRPO's SD3/FLUX/Qwen form, ``mean_d (mu_theta - mu_ref)^2 / (2 g^2)`` (no ``-dt``
+  factor; beta values are not interchangeable between the two).
+
+The reference mean comes from the same network with the LoRA adapter disabled (or a frozen copy), fed
+the same guidance. This module only does the arithmetic; :mod:`digenrl.rl.tsp` runs the forwards.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+__all__ = ["KlKind", "KL_KINDS", "LossConfig", "LossTerms", "grpo_loss", "reduce_stats"]
+
+KlKind = Literal["exact", "g2"]
+KL_KINDS: tuple[str, ...] = ("exact", "g2")
+
+
+@dataclass(frozen=True)
+class LossConfig:
+    """Loss hyper-parameters.
+
+    Attributes:
+        clip_range: PPO ``eps`` on the ratio. ALGORITHM (13): 1e-4 for per-element-mean log-probs.
+        kl_beta: weight of the KL term (0 disables the reference forward).
+        kl_kind: ``"exact"`` or ``"g2"``.
+    """
+
+    clip_range: float = 1e-4
+    kl_beta: float = 0.0
+    kl_kind: KlKind = "exact"
+
+    def __post_init__(self) -> None:
+        if not self.clip_range > 0:
+            raise ValueError(f"clip_range must be > 0, got {self.clip_range}")
+        if self.kl_beta < 0:
+            raise ValueError(f"kl_beta must be >= 0, got {self.kl_beta}")
+        if self.kl_kind not in KL_KINDS:
+            raise ValueError(f"unknown kl_kind {self.kl_kind!r}; allowed: {', '.join(KL_KINDS)}")
+
+
+@dataclass(frozen=True)
+class LossTerms:
+    """Per-row loss (with grad) and per-row diagnostics (detached sums, to be reduced over a batch).
+
+    Attributes:
+        loss: ``[R]`` the per-row loss ``L_clip + beta * KL``.
+        sums: detached sums over the rows of ``policy_loss``, ``kl``, ``approx_kl`` (``1/2 dl^2``),
+            ``clipfrac``, ``clipfrac_gt_one``, ``clipfrac_lt_one``, ``ratio``, ``ratio_dev``
+            (``|r - 1|``), and ``rows``.
+    """
+
+    loss: torch.Tensor
+    sums: dict[str, float]
+
+
+def grpo_loss(
+    log_prob: torch.Tensor,
+    log_prob_old: torch.Tensor,
+    advantages: torch.Tensor,
+    cfg: LossConfig,
+    *,
+    mean: torch.Tensor | None = None,
+    mean_ref: torch.Tensor | None = None,
+    std: torch.Tensor | None = None,
+    g: torch.Tensor | None = None,
+) -> LossTerms:
+    """Per-row clipped surrogate plus KL.
+
+    Args:
+        log_prob: ``[R]`` ``l_theta`` (with grad).
+        log_prob_old: ``[R]`` stored behaviour log-probs.
+        advantages: ``[R]`` per-row advantages.
+        cfg: the loss config.
+        mean: ``[R, ...]`` ``mu_theta`` (with grad), needed when ``kl_beta > 0``.
+        mean_ref: ``[R, ...]`` ``mu_ref`` (no grad), needed when ``kl_beta > 0``.
+        std: ``[R]`` step std ``s`` (for ``kl="exact"``).
+        g: ``[R]`` drift coefficient (for ``kl="g2"``).
+
+    Returns:
+        :class:`LossTerms`.
+
+    Raises:
+        ValueError: if the KL inputs are missing while ``kl_beta > 0``, or shapes differ.
+    """
+    if not log_prob.shape == log_prob_old.shape == advantages.shape:
+        raise ValueError(
+            f"shapes differ: log_prob {tuple(log_prob.shape)}, old {tuple(log_prob_old.shape)}, "
+            f"advantages {tuple(advantages.shape)}"
+        )
+    delta = log_prob - log_prob_old.float()
+    ratio = torch.exp(delta)
+    adv = advantages.float()
+    eps = cfg.clip_range
+    unclipped = -adv * ratio
+    clipped = -adv * torch.clamp(ratio, 1.0 - eps, 1.0 + eps)
+    policy = torch.maximum(unclipped, clipped)
+    kl = torch.zeros_like(policy)
+    if cfg.kl_beta > 0:
+        if mean is None or mean_ref is None:
+            raise ValueError("kl_beta > 0 needs mean and mean_ref")
+        denom = std if cfg.kl_kind == "exact" else g
+        if denom is None:
+            raise ValueError(f"kl_kind={cfg.kl_kind!r} needs {'std' if cfg.kl_kind == 'exact' else 'g'}")
+        sq = ((mean - mean_ref.detach()) ** 2).flatten(1).mean(dim=1)
+        kl = sq / (2 * denom.float() ** 2)
+    loss = policy + cfg.kl_beta * kl
+    with torch.no_grad():
+        d = delta.detach()
+        r = ratio.detach()
+        sums = {
+            "policy_loss": float(policy.detach().sum()),
+            "kl": float(kl.detach().sum()),
+            "approx_kl": float((0.5 * d**2).sum()),
+            "clipfrac": float(((r - 1.0).abs() > eps).float().sum()),
+            "clipfrac_gt_one": float((r > 1.0 + eps).float().sum()),
+            "clipfrac_lt_one": float((r < 1.0 - eps).float().sum()),
+            "ratio": float(r.sum()),
+            "ratio_dev": float((r - 1.0).abs().sum()),
+            "rows": float(r.numel()),
+        }
+    return LossTerms(loss=loss, sums=sums)
+
+
+def reduce_stats(sums: list[dict[str, float]]) -> dict[str, float]:
+    """Turn accumulated per-row sums into means over all rows (``rows`` stays a count)."""
+    total: dict[str, float] = {}
+    for s in sums:
+        for k, v in s.items():
+            total[k] = total.get(k, 0.0) + v
+    n = max(total.get("rows", 0.0), 1.0)
+    return {k: (v if k == "rows" else v / n) for k, v in total.items()}

@@ -1,0 +1,139 @@
+"""Time-step parallel (TSP) training: many (sample x timestep) transitions per forward/backward.
+
+The GRPO objective of a logical batch is the mean, over all its trained transitions, of the per-row loss
+(:func:`digenrl.rl.loss.grpo_loss`). Gradient accumulation is normalised by the total number of trained
+transitions (ALGORITHM (e).16), so it does not matter how rows are grouped into passes: one pass per
+timestep (the Flow-GRPO loop, :func:`per_step_backward`) and packed passes of ``rows_per_pass`` rows
+with a per-row sigma and repeated conditioning (:func:`packed_backward`) give the same gradient up to
+float rounding. ``rows_per_pass`` is the knob that trades memory for fewer, larger passes.
+
+Both functions only call ``backward()``; the caller owns ``zero_grad``, clipping and the optimizer step,
+so fragments of one logical batch can accumulate into one update.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from digenrl.models.base import Cond, index_cond
+from digenrl.rl.loss import LossConfig, grpo_loss
+from digenrl.rl.rollout import TransitionBatch, VelocityFn
+from digenrl.rl.sde import gaussian_log_prob, transition_stats
+
+__all__ = ["packed_backward", "per_step_backward", "backward_rows"]
+
+
+def backward_rows(
+    velocity: VelocityFn,
+    batch: TransitionBatch,
+    cond: Cond,
+    advantages: torch.Tensor,
+    cfg: LossConfig,
+    *,
+    normalizer: float,
+    ref_velocity: VelocityFn | None = None,
+) -> dict[str, float]:
+    """One forward/backward over all rows of ``batch`` (each row with its own sigma and conditioning).
+
+    Args:
+        velocity: the policy's velocity (with grad).
+        batch: the transitions of this pass.
+        cond: conditioning of the whole batch; rows pick theirs by ``batch.sample``.
+        advantages: ``[B]`` per-sample advantages of the whole batch.
+        cfg: loss config.
+        normalizer: the loss is ``sum(rows) / normalizer`` (the total trained rows of the update).
+        ref_velocity: the reference velocity, required when ``cfg.kl_beta > 0``.
+
+    Returns:
+        Detached per-row sums of the diagnostics (see :class:`digenrl.rl.loss.LossTerms`).
+
+    Raises:
+        ValueError: if ``kl_beta > 0`` without ``ref_velocity``.
+    """
+    if len(batch) == 0:
+        return {"rows": 0.0}
+    rows_cond = index_cond(cond, batch.sample)
+    mean_ref = None
+    if cfg.kl_beta > 0:
+        if ref_velocity is None:
+            raise ValueError("kl_beta > 0 needs a reference velocity")
+        with torch.no_grad():
+            v_ref = ref_velocity(batch.x, batch.sigma, rows_cond)
+            mean_ref, _, _ = transition_stats(
+                batch.x, v_ref, batch.sigma, batch.sigma_next, batch.noise_level, batch.kind
+            )
+    v = velocity(batch.x, batch.sigma, rows_cond)
+    mean, std, g = transition_stats(batch.x, v, batch.sigma, batch.sigma_next, batch.noise_level, batch.kind)
+    log_prob = gaussian_log_prob(batch.x_next, mean, std, batch.kind)
+    terms = grpo_loss(
+        log_prob,
+        batch.log_prob,
+        advantages[batch.sample].float(),
+        cfg,
+        mean=mean,
+        mean_ref=mean_ref,
+        std=std,
+        g=g,
+    )
+    (terms.loss.sum() / normalizer).backward()
+    return terms.sums
+
+
+def packed_backward(
+    velocity: VelocityFn,
+    batch: TransitionBatch,
+    cond: Cond,
+    advantages: torch.Tensor,
+    cfg: LossConfig,
+    *,
+    rows_per_pass: int | None = None,
+    normalizer: float | None = None,
+    ref_velocity: VelocityFn | None = None,
+) -> list[dict[str, float]]:
+    """TSP: backward over ``batch`` in passes of up to ``rows_per_pass`` (sample x step) rows.
+
+    Args:
+        velocity: policy velocity.
+        batch: all transitions to train (any mix of samples and steps).
+        cond: conditioning of the whole batch.
+        advantages: ``[B]`` per-sample advantages.
+        cfg: loss config.
+        rows_per_pass: rows per forward/backward; ``None`` packs everything into one pass.
+        normalizer: total trained rows of the update (defaults to ``len(batch)``).
+        ref_velocity: reference velocity for the KL.
+
+    Returns:
+        Per-pass diagnostic sums (reduce with :func:`digenrl.rl.loss.reduce_stats`).
+
+    Raises:
+        ValueError: for ``rows_per_pass < 1``.
+    """
+    n = len(batch)
+    per = n if rows_per_pass is None else rows_per_pass
+    if per < 1 and n:
+        raise ValueError(f"rows_per_pass must be >= 1, got {rows_per_pass}")
+    norm = float(normalizer if normalizer is not None else max(n, 1))
+    out: list[dict[str, float]] = []
+    for lo in range(0, n, max(per, 1)):
+        sub = batch.rows(slice(lo, lo + per))
+        out.append(backward_rows(velocity, sub, cond, advantages, cfg, normalizer=norm, ref_velocity=ref_velocity))
+    return out
+
+
+def per_step_backward(
+    velocity: VelocityFn,
+    batch: TransitionBatch,
+    cond: Cond,
+    advantages: torch.Tensor,
+    cfg: LossConfig,
+    *,
+    normalizer: float | None = None,
+    ref_velocity: VelocityFn | None = None,
+) -> list[dict[str, float]]:
+    """The Flow-GRPO reference loop: one forward/backward per timestep over the samples trained there."""
+    norm = float(normalizer if normalizer is not None else max(len(batch), 1))
+    out: list[dict[str, float]] = []
+    for step in torch.unique(batch.step).tolist():
+        sub = batch.rows((batch.step == step).nonzero().flatten())
+        out.append(backward_rows(velocity, sub, cond, advantages, cfg, normalizer=norm, ref_velocity=ref_velocity))
+    return out
