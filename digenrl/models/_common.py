@@ -217,6 +217,11 @@ class DiffusersGenerator:
         """The denoising network LoRA attaches to and the optimizer trains."""
         return self.pipe.transformer
 
+    @transformer.setter
+    def transformer(self, module: torch.nn.Module) -> None:
+        # used by lora.reference() to swap in the frozen reference copy for full fine-tuning
+        self.pipe.transformer = module
+
     @property
     def device(self) -> torch.device:
         """Device of the transformer's parameters."""
