@@ -1,0 +1,77 @@
+"""Entry point of a local actor process: ``python -m digenrl.actors._child --join ADDR --name NAME``.
+
+Launched by ``ChildProcess.launch`` (``ActorSystem.spawn(process=True)``). It names the process
+``digenrl-<name>`` (so ``ps`` shows who is who), makes the kernel send it SIGTERM if the driver
+dies (Linux), configures logging to stderr, and runs ``run_worker``. It imports no torch of its
+own; an actor module that needs torch imports it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import ctypes
+import ctypes.util
+import logging
+import os
+import signal
+import sys
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    """Ask Linux to SIGTERM us when the driver exits, even by SIGKILL (no orphaned actors)."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    except OSError:
+        return
+    if os.getppid() != parent_pid:  # the driver died before prctl took effect
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse the launch arguments and serve until the system lets go; returns the exit code."""
+    p = argparse.ArgumentParser(prog="python -m digenrl.actors._child")
+    p.add_argument("--join", required=True, help="the system's address")
+    p.add_argument("--name", required=True, help="actor name; the process title becomes digenrl-<name>")
+    p.add_argument("--token", default=None)
+    p.add_argument("--transport", default="zmq")
+    p.add_argument("--listen", default=None)
+    p.add_argument("--parent-timeout", type=float, default=30.0)
+    p.add_argument("--parent-pid", type=int, default=None)
+    p.add_argument("--log-level", default="INFO")
+    args = p.parse_args(argv)
+
+    try:
+        import setproctitle
+
+        setproctitle.setproctitle(f"digenrl-{args.name}")
+    except ImportError:  # optional nicety; the process still works
+        pass
+    if args.parent_pid is not None:
+        _die_with_parent(args.parent_pid)
+    logging.basicConfig(
+        level=args.log_level,
+        format=f"%(asctime)s digenrl-{args.name}[%(process)d] %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    # SIGTERM before the loop installs its handler must still exit cleanly (KeyboardInterrupt-free).
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+
+    from digenrl.actors.worker import run_worker
+
+    try:
+        asyncio.run(run_worker(args.join, name=args.name, listen=args.listen, transport=args.transport,
+                               token=args.token, parent_timeout=args.parent_timeout))
+    except Exception:
+        logging.getLogger("digenrl.actors").exception("actor process %s failed", args.name)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,145 @@
+"""Launching and ending actor processes on this host.
+
+Each actor process is a fresh interpreter running ``python -m digenrl.actors._child`` (no fork: a
+forked copy of a driver that holds threads, CUDA contexts or sockets is unsafe). It names itself
+``digenrl-<actor>`` with setproctitle, joins the system's registry, and hosts one actor.
+
+``ChildProcess`` is the resource holder of one such process. Its ending follows one deadline:
+``terminate`` (SIGTERM: the child drains and exits) → wait → ``kill`` (SIGKILL) → wait. A
+``weakref.finalize`` kills the process if the holder is dropped or the interpreter exits without
+an explicit stop, so a crashed driver leaves no orphans behind (the child also watches the
+driver's heartbeats and, on Linux, gets SIGTERM when the driver dies).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+import weakref
+from collections.abc import Sequence
+
+__all__ = ["ChildProcess", "describe_exit"]
+
+log = logging.getLogger(__name__)
+
+
+def describe_exit(returncode: int | None) -> str:
+    """``"exited with code 1"`` / ``"was killed by SIGKILL"`` / ``"is running"``."""
+    if returncode is None:
+        return "is running"
+    if returncode < 0:
+        try:
+            return f"was killed by {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"was killed by signal {-returncode}"
+    return f"exited with code {returncode}"
+
+
+def _kill_if_running(proc: asyncio.subprocess.Process) -> None:
+    if proc.returncode is None:
+        with contextlib.suppress(ProcessLookupError):
+            proc.kill()
+
+
+def _child_env() -> dict[str, str]:
+    # The child must import what the driver can (actor classes by module path), as
+    # multiprocessing's spawn does by shipping sys.path.
+    env = dict(os.environ)
+    paths = [p for p in sys.path if p and os.path.isdir(p)]
+    if os.environ.get("PYTHONPATH"):
+        paths.append(os.environ["PYTHONPATH"])
+    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
+    return env
+
+
+class ChildProcess:
+    """One local actor process (see the module docstring).
+
+    Use ``await ChildProcess.launch(...)``; end it with ``await stop(timeout)``.
+    """
+
+    def __init__(self, title: str, proc: asyncio.subprocess.Process) -> None:
+        self.title = title
+        self.proc = proc
+        self._finalizer = weakref.finalize(self, _kill_if_running, proc)
+
+    @classmethod
+    async def launch(cls, title: str, args: Sequence[str]) -> ChildProcess:
+        """Start ``python -m digenrl.actors._child <args>``; stdout/stderr are inherited.
+
+        Raises:
+            OSError: the interpreter could not be started.
+        """
+        level = logging.getLevelName(logging.getLogger("digenrl").getEffectiveLevel())
+        argv = [sys.executable, "-m", "digenrl.actors._child", *args, "--parent-pid", str(os.getpid()),
+                "--log-level", level if level in ("DEBUG", "INFO", "WARNING", "ERROR") else "INFO"]
+        proc = await asyncio.create_subprocess_exec(*argv, env=_child_env(), stdin=subprocess.DEVNULL)
+        log.debug("launched %s pid=%d", title, proc.pid)
+        return cls(title, proc)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self.proc.returncode
+
+    async def wait(self) -> int:
+        """Wait for the process to exit; returns its exit code (negative: killed by that signal)."""
+        return await self.proc.wait()
+
+    async def stop(self, timeout: float) -> int:
+        """Make sure the process is gone: wait ``timeout`` → SIGTERM → wait → SIGKILL → wait.
+
+        The caller has usually asked the process to exit already (agent ``shutdown``); the first
+        wait gives it that chance. Runs to the end even if the caller is cancelled.
+
+        Returns:
+            The exit code.
+        """
+        task = asyncio.ensure_future(self._stop(timeout))
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            await task
+            raise
+
+    async def _stop(self, timeout: float) -> int:
+        end = time.monotonic() + timeout
+        if await self._wait_until(end):
+            return self._done()
+        log.warning("[shutdown] Process %s: step=terminate pid=%d", self.title, self.pid)
+        with contextlib.suppress(ProcessLookupError):
+            self.proc.terminate()
+        # SIGTERM starts a graceful drain in the child; give it part of what is left (>= 0.5 s).
+        if await self._wait_until(max(time.monotonic() + 0.5, end)):
+            return self._done()
+        log.warning("[shutdown] Process %s: step=kill pid=%d", self.title, self.pid)
+        with contextlib.suppress(ProcessLookupError):
+            self.proc.kill()
+        await self.proc.wait()
+        return self._done()
+
+    async def _wait_until(self, end: float) -> bool:
+        try:
+            await asyncio.wait_for(self.proc.wait(), max(0.0, end - time.monotonic()))
+        except TimeoutError:
+            return False
+        return True
+
+    def _done(self) -> int:
+        self._finalizer.detach()
+        code = self.proc.returncode
+        assert code is not None
+        log.info("[shutdown] Process %s: step=exited pid=%d %s", self.title, self.pid, describe_exit(code))
+        return code
+
+    def __repr__(self) -> str:
+        return f"ChildProcess({self.title!r}, pid={self.pid}, {describe_exit(self.returncode)})"

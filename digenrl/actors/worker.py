@@ -1,0 +1,117 @@
+"""A worker process: joins a running ``ActorSystem`` and hosts the actors it is asked to.
+
+Both kinds of actor process run this: the ones ``ActorSystem.spawn(process=True)`` launches on
+this host (via ``python -m digenrl.actors._child``), and ``digenrl worker --join tcp://HOST:PORT``
+started by hand, Slurm or Kubernetes on another host.
+
+Protocol (all of it ordinary actor calls):
+
+1. open a transport endpoint (``listen``; a tcp port on loopback by default for ``--join``);
+2. host the ``NodeAgent`` as ``_agent`` (it answers only the system it joined);
+3. call ``_registry.join(address, name, pid, host, token)`` on the system;
+4. serve: the system calls ``_agent.spawn_actor(...)`` to host actors here, and pings;
+5. exit when the system calls ``_agent.shutdown``, on SIGTERM/SIGINT, or when the system has
+   been silent for ``parent_timeout`` seconds (it died): drain actors → close → return.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import socket
+import time
+
+from digenrl.actors import _agent
+from digenrl.actors._node import Node
+from digenrl.actors.base import ActorRef
+from digenrl.errors import DigenrlError
+from digenrl.transport import make_transport
+
+__all__ = ["run_worker"]
+
+log = logging.getLogger(__name__)
+
+
+async def run_worker(
+    join: str,
+    *,
+    name: str | None = None,
+    listen: str | None = None,
+    transport: str = "zmq",
+    token: str | None = None,
+    parent_timeout: float = 30.0,
+    join_timeout: float = 60.0,
+    shutdown_timeout: float = 10.0,
+) -> None:
+    """Join the system at ``join`` and host actors for it until it lets go (see the module docstring).
+
+    Args:
+        join: the system's address (``ActorSystem.address``), e.g. ``tcp://10.0.0.1:5555``.
+        name: this worker's name in logs (default ``worker-<host>-<pid>``).
+        listen: where this worker binds; default: ``tcp://127.0.0.1:0`` when joining over tcp,
+            a private ipc path otherwise. Bind a routable interface to serve other hosts.
+        transport: transport kind (must match the system's).
+        token: the launch token (set by ``spawn(process=True)``).
+        parent_timeout: exit when the system has been silent this long.
+        join_timeout: give up when the system does not answer the join in time.
+        shutdown_timeout: drain deadline when exiting on a signal or on silence.
+
+    Raises:
+        TimeoutError: the system did not answer the join.
+        DigenrlError: the join failed (system unreachable or refusing).
+    """
+    name = name or f"worker-{socket.gethostname()}-{os.getpid()}"
+    if listen is None and join.startswith("tcp://"):
+        listen = "tcp://127.0.0.1:0"
+    node = Node(make_transport(transport, listen), name=name)
+    node.start()
+    node.trusted.add(join)
+    stop = asyncio.Event()
+    try:
+        await node.host(_agent.NodeAgent(node, stop), _agent.AGENT, trusted_only=True)
+        registry = ActorRef(_agent.REGISTRY, join, node=node)
+        async with asyncio.timeout(join_timeout):
+            config = await registry.call("join", node.address, name, os.getpid(), socket.gethostname(), token)
+        parent_timeout = float(config.get("heartbeat_timeout", parent_timeout))
+        log.info("worker %s: joined %s, serving at %s", name, join, node.address)
+        await _serve(node, join, stop, parent_timeout)
+    finally:
+        await _close(node, name, shutdown_timeout)
+
+
+async def _serve(node: Node, join: str, stop: asyncio.Event, parent_timeout: float) -> None:
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        with contextlib.suppress(NotImplementedError, RuntimeError):  # not the main thread / platform
+            loop.add_signal_handler(sig, stop.set)
+    try:
+        node.last_heard[join] = time.monotonic()
+        check = min(1.0, parent_timeout / 4)
+        while not stop.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), check)
+            silent = time.monotonic() - node.last_heard.get(join, 0.0)
+            if not stop.is_set() and (silent > parent_timeout or join in node.dead):
+                log.error("[shutdown] worker %s: step=orphaned system silent for %.1fs", node.name, silent)
+                stop.set()
+    finally:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            with contextlib.suppress(NotImplementedError, RuntimeError):
+                loop.remove_signal_handler(sig)
+
+
+async def _close(node: Node, name: str, timeout: float) -> None:
+    end = time.monotonic() + timeout
+    hosts = [h for n, h in node.hosts.items() if n != _agent.AGENT]
+    log.info("[shutdown] worker %s: step=drain actors=%d deadline=%.1fs", name, len(hosts), timeout)
+    await asyncio.gather(*(h.stop(max(0.0, end - time.monotonic())) for h in hosts), return_exceptions=True)
+    agent = node.hosts.get(_agent.AGENT)
+    if agent is not None:
+        await agent.stop(0.5)
+    await node.flush(max(0.1, min(1.0, end - time.monotonic())))  # the shutdown reply
+    with contextlib.suppress(DigenrlError):
+        await node.aclose("worker exiting")
+    log.info("[shutdown] worker %s: step=closed", name)
