@@ -1,0 +1,591 @@
+"""The disaggregated schedule: rollout, reward and trainer devices apart, techniques as switches.
+
+State machine (one instance per run; ``start()`` then ``on_event()`` per event):
+
+- Versions. ``V`` = optimizer steps done = the trainers' version. Rollout devices hold the newest
+  published version ``pub`` and the one before (a rollout actor keeps two), so every READY fragment
+  can continue. A fragment's version is fixed by its first ROLLOUT token (trajectory-consistent);
+  batch ``b`` may start only with a version in ``[b - staleness, b]``.
+- Rollout. Each fragment is UNSTARTED -> (READY <-> RUNNING)* -> AWAIT_REWARD -> REWARDING ->
+  SCORED. READY fragments wait in buckets keyed ``(version, batch, step)``; a ROLLOUT token takes one
+  bucket's fragments up to the device's sample budget (step-level batching with TSP; one whole
+  trajectory of one fragment without it). Older batches and further-advanced fragments go first.
+- Reward. A REWARD device scores; without one, the device holding the final latents does.
+- Training. A prompt chunk's fragments become trainable when all of them are scored (with GAP), or
+  when the whole batch is (without GAP). Trainers carve TRAIN tokens off the batch-``V`` queue; when
+  every row of batch ``V`` is trained and all trainers are idle, one OPTIM collective runs, then the
+  lead trainer PUBLISHes ``V + 1``.
+- TAG. An idle trainer with no training work (and all batch-``V`` rows not yet handed out) takes a
+  short step-range token of batch ``V`` at its own version, when ``_helper_pays`` predicts batch ``V``
+  then finishes sooner. Training is always dispatched before helping.
+- Faults. A dead device's running token is void: rollout fragments restart from noise (their
+  latents are gone), rewards are re-queued, TRAIN rows are re-queued, a broken OPTIM is re-issued
+  once the dead trainer's accumulated rows are re-trained, PUBLISH moves to a new lead. Fragments
+  whose latents the dead device held restart too. No trainer, or nothing that can generate, left:
+  ``failed`` says why and no more tokens are issued.
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+from collections import deque
+
+from digenrl.errors import ConfigError
+from digenrl.schedule._state import BatchState, FragState, Part
+from digenrl.schedule.base import (
+    CostEstimate,
+    Device,
+    DeviceDied,
+    DeviceJoined,
+    Event,
+    Role,
+    Schedule,
+    Token,
+    TokenDone,
+    TokenKind,
+    Workload,
+)
+from digenrl.schedule.cost import SpeedTracker, UniformCost
+from digenrl.schedule.options import ScheduleOptions, resolve
+
+__all__ = ["DisaggregatedSchedule"]
+
+log = logging.getLogger(__name__)
+
+_POOLS = (Role.ROLLOUT, Role.TRAINER, Role.REWARD)
+Entry = tuple[int, int]  # (fragment index, epoch)
+
+
+class DisaggregatedSchedule(Schedule):
+    """Disaggregated schedule with GAP, TSP, TAG and one-step async as switches.
+
+    Args:
+        devices: the devices at start; roles ROLLOUT, TRAINER and (optional) REWARD.
+        workload: what the run consumes.
+        options: the switches (see ``ScheduleOptions``).
+        cost: predicted seconds per token and device; ``UniformCost()`` when ``None``.
+        name: the schedule's name in reports.
+
+    Raises:
+        ConfigError: bad options, a HYBRID device, no trainer, or nothing able to generate.
+    """
+
+    def __init__(
+        self,
+        devices: list[Device],
+        workload: Workload,
+        options: ScheduleOptions,
+        cost: CostEstimate | None = None,
+        name: str = "disaggregated",
+    ) -> None:
+        options.validate(workload)
+        if options.colocated:
+            raise ConfigError("schedule.colocated=true needs ColocatedSchedule (make_schedule('colocated', ...))")
+        self.name = name
+        self.failed = None
+        self.w = workload
+        self.opt = options
+        self._speed = SpeedTracker(cost or UniformCost())
+        self._role: dict[str, Role] = {}
+        self._alive: dict[Role, dict[str, None]] = {r: {} for r in _POOLS}
+        self._idle: dict[Role, dict[str, None]] = {r: {} for r in _POOLS}
+        self._running: dict[str, Token] = {}  # device -> its token (OPTIM: every group member)
+        self._kicked: dict[str, None] = {}  # just idle: may have a local reward to run
+        for d in devices:
+            self._check_new(d)
+        if not self._alive[Role.TRAINER]:
+            raise ConfigError("disaggregated schedules need at least one Role.TRAINER device")
+        if not self._alive[Role.ROLLOUT] and not options.tag:
+            raise ConfigError("no Role.ROLLOUT device and schedule.tag=false: nothing can generate")
+        self.sizes = resolve(options, workload, len(self._alive[Role.ROLLOUT]), len(self._alive[Role.TRAINER]))
+        for d in devices:
+            self._add(d)
+        self._next_id = 0
+        self._batches: dict[int, BatchState] = {}
+        self._opened = -1
+        self.version = 0  # V: optimizer steps done
+        self.published = 0  # newest version on the rollout devices
+        self._prev_published = 0
+        self._publish_queue: deque[int] = deque()
+        self._optim_running = False
+        self._buckets: dict[tuple[int, int, int], deque[Entry]] = {}  # (version, batch, step)
+        self._heaps: dict[int, list[tuple[int, int]]] = {}  # version -> (batch, -step)
+        self._in_heap: set[tuple[int, int, int]] = set()
+        self._reward_queue: deque[tuple[int, int, int]] = deque()  # (batch, fragment, epoch)
+        self._local_reward: dict[str, deque[tuple[int, int, int]]] = {}
+        self._held: dict[str, set[tuple[int, int]]] = {}  # device -> (batch, fragment) latents it holds
+        self._roll_capacity: float | None = None
+        self._train_capacity: float | None = None
+
+    # -- devices -------------------------------------------------------------------------------
+    def _check_new(self, d: Device) -> None:
+        if d.role not in _POOLS:
+            raise ConfigError(f"device {d.name!r} has role {d.role.value!r}: disaggregated schedules take "
+                              f"{[r.value for r in _POOLS]} (HYBRID devices belong to 'colocated')")
+        if d.name in self._role and d.name in self._alive[self._role[d.name]]:
+            raise ConfigError(f"device {d.name!r} is already alive in this schedule")
+        if d.speed <= 0:
+            raise ConfigError(f"device {d.name!r} has speed={d.speed}: must be > 0")
+        self._role[d.name] = d.role
+        self._alive[d.role][d.name] = None
+
+    def _add(self, d: Device) -> None:
+        self._idle[d.role][d.name] = None
+        self._kicked[d.name] = None
+        self._speed.add(d)
+        self._roll_capacity = self._train_capacity = None
+
+    def _is_alive(self, name: str) -> bool:
+        role = self._role.get(name)
+        return role is not None and name in self._alive[role]
+
+    @property
+    def _lead(self) -> str | None:
+        return next(iter(self._alive[Role.TRAINER]), None)
+
+    # -- public API ----------------------------------------------------------------------------
+    @property
+    def done(self) -> bool:
+        return self.version >= self.w.num_batches
+
+    def start(self) -> list[Token]:
+        out: list[Token] = []
+        self._open_batches()
+        self._dispatch(out)
+        return out
+
+    def on_event(self, event: Event) -> list[Token]:
+        """Advance by one event; return the tokens that may start now.
+
+        Raises:
+            ConfigError: a joining device has a role this schedule cannot use.
+            TypeError: ``event`` is not an ``Event``.
+        """
+        out: list[Token] = []
+        if self.done or self.failed:
+            return out
+        if isinstance(event, TokenDone):
+            self._on_done(event)
+        elif isinstance(event, DeviceDied):
+            self._on_died(event.device)
+        elif isinstance(event, DeviceJoined):
+            self._check_new(event.device)
+            self._add(event.device)
+        else:
+            raise TypeError(f"not a schedule event: {event!r}")
+        if not self.done and not self.failed:
+            self._dispatch(out)
+        return out
+
+    # -- helpers -------------------------------------------------------------------------------
+    def _token(self, kind: TokenKind, device: str, batch: int, **fields: object) -> Token:
+        token = Token(self._next_id, kind, device, batch, **fields)  # type: ignore[arg-type]
+        self._next_id += 1
+        for name in token.devices:
+            self._running[name] = token
+            self._idle[self._role[name]].pop(name, None)
+        return token
+
+    def _open_batches(self) -> None:
+        s = self.opt.staleness
+        upto = min(self.w.num_batches - 1, max(self.published + s, self.version))
+        while self._opened < upto:
+            self._opened += 1
+            g = self.sizes
+            self._batches[self._opened] = BatchState(self._opened, self.w, g.fragment_groups, g.fragment_members,
+                                                     self.opt.gap)
+
+    def _push_ready(self, b: int, f: int) -> None:
+        info = self._batches[b].frags[f]
+        key = (info.version, b, info.step)
+        bucket = self._buckets.get(key)
+        if bucket is None:
+            bucket = self._buckets[key] = deque()
+        bucket.append((f, info.epoch))
+        if key not in self._in_heap:
+            self._in_heap.add(key)
+            heapq.heappush(self._heaps.setdefault(info.version, []), (b, -info.step))
+
+    def _bucket_top(self, version: int) -> tuple[int, int] | None:
+        """Best (batch, -step) with a live READY fragment at ``version``; drops stale entries."""
+        heap = self._heaps.get(version)
+        while heap:
+            b, neg = heap[0]
+            key = (version, b, -neg)
+            bucket = self._buckets.get(key)
+            batch = self._batches.get(b)
+            while bucket and (batch is None or not self._live(batch, bucket[0], FragState.READY)):
+                bucket.popleft()
+            if bucket:
+                return b, neg
+            heapq.heappop(heap)
+            self._in_heap.discard(key)
+            self._buckets.pop(key, None)
+        return None
+
+    @staticmethod
+    def _live(batch: BatchState, entry: Entry, state: FragState) -> bool:
+        info = batch.frags[entry[0]]
+        return info.epoch == entry[1] and info.state is state
+
+    def _unstarted_batch(self, version: int, only: int | None = None) -> int | None:
+        """Lowest open batch with unstarted fragments that may start with ``version``."""
+        lo, hi = version, min(self._opened, version + self.opt.staleness)
+        if only is not None:
+            lo = hi = only if lo <= only <= hi else -1
+        for b in range(max(lo, self.version), hi + 1):
+            batch = self._batches.get(b)
+            if batch is not None and batch.unstarted:
+                return b
+        return None
+
+    # -- dispatch ------------------------------------------------------------------------------
+    def _dispatch(self, out: list[Token]) -> None:
+        self._dispatch_publish(out)
+        self._dispatch_optim(out)
+        self._dispatch_train(out)
+        kicked, self._kicked = self._kicked, {}
+        for name in kicked:
+            queue = self._local_reward.get(name)
+            role = self._role[name]
+            if queue and name in self._idle[role] and not (role is Role.TRAINER and self._train_ready()):
+                self._issue_reward(name, queue, out)
+        idle = self._idle[Role.REWARD]
+        while idle and self._reward_queue:
+            self._issue_reward(next(iter(idle)), self._reward_queue, out)
+        self._dispatch_rollout(out)
+        if self.opt.tag:
+            self._dispatch_helpers(out)
+
+    def _dispatch_publish(self, out: list[Token]) -> None:
+        lead = self._lead
+        if self._publish_queue and lead is not None and lead in self._idle[Role.TRAINER]:
+            v = self._publish_queue.popleft()
+            out.append(self._token(TokenKind.PUBLISH, lead, v - 1, policy_version=v))
+
+    def _dispatch_optim(self, out: list[Token]) -> None:
+        batch = self._batches.get(self.version)
+        trainers = self._alive[Role.TRAINER]
+        if (batch is None or self._optim_running or not batch.fully_trained
+                or len(self._idle[Role.TRAINER]) != len(trainers)):
+            return
+        group = tuple(trainers)
+        self._optim_running = True
+        out.append(self._token(TokenKind.OPTIM, group[0], batch.k, policy_version=batch.k, group=group))
+
+    def _train_ready(self) -> bool:
+        batch = self._batches.get(self.version)
+        return batch is not None and not self._optim_running and bool(batch.train_queue)
+
+    def _dispatch_train(self, out: list[Token]) -> None:
+        idle = self._idle[Role.TRAINER]
+        while idle and self._train_ready():
+            name = next(iter(idle))
+            batch = self._batches[self.version]
+            limit = round(self.sizes.train_pack * self._speed.relative_speed(name))
+            parts = batch.carve(limit, whole_samples=not self.opt.tsp)
+            out.append(self._train_token(name, batch, parts))
+
+    def _train_token(self, name: str, batch: BatchState, parts: list[Part]) -> Token:
+        t = self.w.trained_steps
+        frags = tuple(batch.frags[f].geo for f, _, _ in parts)
+        rows = tuple((s, e) for _, s, e in parts)
+        transitions = sum(e - s for s, e in rows)
+        samples = sum((e - 1) // t - s // t + 1 for s, e in rows)
+        return self._token(TokenKind.TRAIN, name, batch.k, fragment=frags[0].index, num_samples=samples,
+                           transitions=transitions, policy_version=batch.frags[parts[0][0]].version,
+                           fragments=frags, rows=rows, packed=self.opt.tsp)
+
+    def _issue_reward(self, name: str, queue: deque[tuple[int, int, int]], out: list[Token]) -> None:
+        picked: list[tuple[int, int]] = []
+        samples = 0
+        while queue and (not picked or samples < self.sizes.rollout_batch):
+            b, f, epoch = queue[0]
+            batch = self._batches.get(b)
+            if batch is None or not self._live(batch, (f, epoch), FragState.AWAIT_REWARD):
+                queue.popleft()
+                continue
+            if picked and b != picked[0][0]:
+                break
+            queue.popleft()
+            picked.append((b, f))
+            samples += batch.frags[f].geo.num_samples
+        if not picked:
+            return
+        batch = self._batches[picked[0][0]]
+        infos = [batch.frags[f] for _, f in picked]
+        for info in infos:
+            info.state = FragState.REWARDING
+        out.append(self._token(TokenKind.REWARD, name, batch.k, fragment=infos[0].geo.index, num_samples=samples,
+                               policy_version=infos[0].version, fragments=tuple(i.geo for i in infos),
+                               sources=tuple(i.holder for i in infos), helper=self._role[name] is Role.TRAINER))
+
+    def _dispatch_rollout(self, out: list[Token]) -> None:
+        idle = self._idle[Role.ROLLOUT]
+        versions = (self.published, self._prev_published)
+        while idle:
+            pick = self._pick(versions)
+            if pick is None:
+                return
+            name = next(iter(idle))
+            cap = round(self.sizes.rollout_batch * self._speed.relative_speed(name))
+            out.append(self._rollout_token(name, pick, cap, self.sizes.step_chunk, helper=False))
+
+    def _pick(self, versions: tuple[int, ...], only: int | None = None) -> tuple[int, int, int] | None:
+        """Best rollout work as ``(version, batch, step)``; step ``-1`` means unstarted fragments."""
+        best: tuple[int, int, int] | None = None
+        best_key: tuple[int, int] | None = None
+        for v in dict.fromkeys(versions):
+            top = self._bucket_top(v)
+            if top is not None and (only is None or top[0] == only) and (best_key is None or top < best_key):
+                best, best_key = (v, top[0], -top[1]), top
+        b = self._unstarted_batch(versions[0], only)
+        if b is not None and (best_key is None or (b, 0) < best_key):
+            best = (versions[0], b, -1)
+        return best
+
+    def _rollout_token(self, name: str, pick: tuple[int, int, int], cap: int, chunk: int, helper: bool) -> Token:
+        version, b, step = pick
+        batch = self._batches[b]
+        chosen = []
+        samples = 0
+        if step < 0:  # unstarted: this token fixes their version for the whole trajectory
+            step = 0
+            while batch.unstarted and (not chosen or samples + batch.frags[batch.unstarted[0]].geo.num_samples <= cap):
+                info = batch.frags[batch.unstarted.popleft()]
+                info.version = version
+                chosen.append(info)
+                samples += info.geo.num_samples
+        else:
+            bucket = self._buckets[(version, b, step)]
+            while bucket:
+                if not self._live(batch, bucket[0], FragState.READY):
+                    bucket.popleft()
+                    continue
+                info = batch.frags[bucket[0][0]]
+                if chosen and samples + info.geo.num_samples > cap:
+                    break
+                bucket.popleft()
+                chosen.append(info)
+                samples += info.geo.num_samples
+        end = min(self.w.num_steps, step + chunk)
+        sources = []
+        for info in chosen:
+            sources.append(info.holder)
+            if info.holder:
+                self._held[info.holder].discard((b, info.geo.index))
+            info.state = FragState.RUNNING
+            info.dispatched = end
+        batch.sample_steps_left -= samples * (end - step)
+        return self._token(TokenKind.ROLLOUT, name, b, fragment=chosen[0].geo.index, num_samples=samples,
+                           step_start=step, step_end=end, policy_version=version,
+                           fragments=tuple(i.geo for i in chosen), sources=tuple(sources), helper=helper)
+
+    # -- TAG -----------------------------------------------------------------------------------
+    def _dispatch_helpers(self, out: list[Token]) -> None:
+        idle = self._idle[Role.TRAINER]
+        batch = self._batches.get(self.version)
+        if not idle or batch is None or batch.all_scored or self._optim_running or self._train_ready():
+            return
+        for name in list(idle):
+            pick = self._pick((self.version,), only=self.version)
+            if pick is None:
+                return
+            cap = round(self.sizes.rollout_batch * self._speed.relative_speed(name))
+            token = self._rollout_token(name, pick, cap, self.sizes.tag_steps, helper=True)
+            if self._helper_pays(token, name, batch):
+                out.append(token)
+            else:
+                self._undo_rollout(token)
+                return
+
+    def _capacities(self) -> tuple[float, float]:
+        if self._roll_capacity is None or self._train_capacity is None:
+            self._roll_capacity = sum(self._speed.rollout_rate(n) for n in self._alive[Role.ROLLOUT])
+            self._train_capacity = sum(self._speed.train_rate(n) for n in self._alive[Role.TRAINER])
+        return self._roll_capacity, self._train_capacity
+
+    def _helper_pays(self, token: Token, name: str, batch: BatchState) -> bool:
+        """BTS-like test: does batch ``V`` finish sooner with this helper token than without it?
+
+        Predicted finish = max(rollout of the batch's not-yet-handed-out sample-steps over the
+        rollout devices' capacity, training of its untrained rows over the trainers' capacity).
+        The helper takes its sample-steps off the rollout term, but its fragment cannot finish
+        before the token ends plus its remaining steps on one device, and the trainer's share of
+        training capacity is lost for the token's length.
+        """
+        roll, train = self._capacities()
+        if roll <= 0:
+            return True  # no rollout device left: helping is the only way to finish
+        secs = self._speed.seconds(token, name)
+        helped = token.num_samples * (token.step_end - token.step_start)
+        left = batch.sample_steps_left + helped  # the token already took its share off
+        rows_left = batch.rows_total - batch.rows_done
+        without = max(left / roll, rows_left / train)
+        one_device = max(roll / max(1, len(self._alive[Role.ROLLOUT])), self._speed.rollout_rate(name))
+        rest = token.num_samples * (self.w.num_steps - token.step_end) / one_device
+        with_help = max((left - helped) / roll, secs + rest,
+                        rows_left / train + secs * self._speed.train_rate(name) / train)
+        return with_help < without
+
+    def _undo_rollout(self, token: Token) -> None:
+        """Take back a token that was built but not issued (TAG said no)."""
+        self._next_id -= 1
+        del self._running[token.device]
+        self._idle[Role.TRAINER][token.device] = None
+        batch = self._batches[token.batch]
+        batch.sample_steps_left += token.num_samples * (token.step_end - token.step_start)
+        for geo, source in zip(reversed(token.fragments), reversed(token.sources)):
+            info = batch.frags[geo.index]
+            info.dispatched = token.step_start
+            if token.step_start == 0:
+                info.state, info.version = FragState.UNSTARTED, -1
+                batch.unstarted.appendleft(geo.index)
+            else:
+                info.state = FragState.READY
+                self._held[source].add((batch.k, geo.index))
+                key = (token.policy_version, batch.k, token.step_start)
+                self._buckets.setdefault(key, deque()).appendleft((geo.index, info.epoch))
+                if key not in self._in_heap:
+                    self._in_heap.add(key)
+                    heapq.heappush(self._heaps.setdefault(token.policy_version, []), (batch.k, -token.step_start))
+
+    # -- completions ---------------------------------------------------------------------------
+    def _on_done(self, event: TokenDone) -> None:
+        token = event.token
+        running = self._running.get(token.device)
+        if running is None or running.id != token.id:
+            log.debug("ignoring completion of token %d: not running (device died?)", token.id)
+            return
+        token = running  # the schedule's own copy, whatever the driver sent back
+        for name in token.devices:
+            other = self._running.get(name)
+            if other is not None and other.id == token.id:
+                del self._running[name]
+                if name in self._alive[self._role[name]]:
+                    self._idle[self._role[name]][name] = None
+                    self._kicked[name] = None
+        if event.observed_seconds is not None:
+            self._speed.observe(token, event.observed_seconds)
+        kind = token.kind
+        if kind is TokenKind.ROLLOUT:
+            self._rollout_done(token)
+        elif kind is TokenKind.REWARD:
+            batch = self._batches[token.batch]
+            for geo in token.fragments:
+                info = batch.frags[geo.index]
+                if info.holder in self._held:
+                    self._held[info.holder].discard((batch.k, geo.index))
+                batch.score(geo.index)
+        elif kind is TokenKind.TRAIN:
+            batch = self._batches[token.batch]
+            batch.trained(token.device, [(g.index, s, e) for g, (s, e) in zip(token.fragments, token.rows)])
+        elif kind is TokenKind.OPTIM:
+            self._optim_running = False
+            del self._batches[token.batch]
+            self.version = token.batch + 1
+            if not self.done:
+                self._publish_queue.append(self.version)
+            self._open_batches()
+        elif kind is TokenKind.PUBLISH:
+            if token.policy_version > self.published:
+                self._prev_published, self.published = self.published, token.policy_version
+            self._open_batches()
+
+    def _rollout_done(self, token: Token) -> None:
+        batch = self._batches[token.batch]
+        name = token.device
+        finished = []
+        for geo in token.fragments:
+            info = batch.frags[geo.index]
+            info.step = token.step_end
+            info.holder = name
+            self._held.setdefault(name, set()).add((batch.k, geo.index))
+            if info.step < self.w.num_steps:
+                info.state = FragState.READY
+                self._push_ready(batch.k, geo.index)
+            else:
+                info.state = FragState.AWAIT_REWARD
+                finished.append((batch.k, geo.index, info.epoch))
+        if finished:
+            if self._alive[Role.REWARD]:
+                self._reward_queue.extend(finished)
+            else:
+                self._local_reward.setdefault(name, deque()).extend(finished)
+
+    # -- faults --------------------------------------------------------------------------------
+    def _on_died(self, name: str) -> None:
+        role = self._role.get(name)
+        if role is None or name not in self._alive[role]:
+            log.debug("ignoring death of unknown or already dead device %r", name)
+            return
+        del self._alive[role][name]
+        self._idle[role].pop(name, None)
+        self._kicked.pop(name, None)
+        self._roll_capacity = self._train_capacity = None
+        token = self._running.pop(name, None)
+        if token is not None:
+            self._void(token, name)
+        for b, f in self._held.pop(name, set()):
+            batch = self._batches.get(b)
+            if batch is not None and batch.frags[f].state in (FragState.READY, FragState.AWAIT_REWARD):
+                batch.restart(f)
+        for b, f, epoch in self._local_reward.pop(name, deque()):
+            batch = self._batches.get(b)
+            if batch is not None and self._live(batch, (f, epoch), FragState.AWAIT_REWARD):
+                batch.restart(f)
+        if role is Role.TRAINER:
+            batch = self._batches.get(self.version)
+            if batch is not None:
+                batch.lose_trainer(name)
+        if role is Role.REWARD and not self._alive[Role.REWARD]:
+            self._reroute_rewards()
+        if not self._alive[Role.TRAINER]:
+            self.failed = f"no trainer left after {name!r} died (at version {self.version})"
+        elif not self._alive[Role.ROLLOUT] and not self.opt.tag:
+            self.failed = f"no rollout-capable device left after {name!r} died and schedule.tag=false"
+
+    def _void(self, token: Token, name: str) -> None:
+        """The running ``token`` of dead device ``name`` will never complete: re-queue its work."""
+        kind = token.kind
+        for other in token.devices:  # an OPTIM's survivors are free again
+            running = self._running.get(other)
+            if other != name and running is not None and running.id == token.id:
+                del self._running[other]
+                self._idle[self._role[other]][other] = None
+                self._kicked[other] = None
+        batch = self._batches.get(token.batch)
+        if kind is TokenKind.ROLLOUT and batch is not None:
+            for geo in token.fragments:
+                batch.restart(geo.index)
+        elif kind is TokenKind.REWARD and batch is not None:
+            for geo in token.fragments:
+                info = batch.frags[geo.index]
+                if self._is_alive(info.holder):
+                    info.state = FragState.AWAIT_REWARD
+                    entry = (batch.k, geo.index, info.epoch)
+                    if self._alive[Role.REWARD]:
+                        self._reward_queue.appendleft(entry)
+                    else:
+                        self._local_reward.setdefault(info.holder, deque()).appendleft(entry)
+                        self._kicked[info.holder] = None
+                else:
+                    batch.restart(geo.index)
+        elif kind is TokenKind.TRAIN and batch is not None:
+            batch.requeue([(g.index, s, e) for g, (s, e) in zip(token.fragments, token.rows)])
+        elif kind is TokenKind.OPTIM:
+            self._optim_running = False
+        elif kind is TokenKind.PUBLISH:
+            self._publish_queue.appendleft(token.policy_version)
+
+    def _reroute_rewards(self) -> None:
+        """The last REWARD device died: the latents' holders score their own fragments."""
+        while self._reward_queue:
+            b, f, epoch = self._reward_queue.popleft()
+            batch = self._batches.get(b)
+            if batch is None or not self._live(batch, (f, epoch), FragState.AWAIT_REWARD):
+                continue
+            holder = batch.frags[f].holder
+            self._local_reward.setdefault(holder, deque()).append((b, f, epoch))
+            self._kicked[holder] = None
