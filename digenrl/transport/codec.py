@@ -56,6 +56,7 @@ EXT_TENSOR = 1
 EXT_TUPLE = 2
 EXT_BLOB = 3
 _MAX_NDIM = 64
+_MAX_DEPTH = 64
 
 # Short wire names; only these dtypes cross the wire.
 DTYPES: dict[str, torch.dtype] = {
@@ -236,16 +237,25 @@ def _check_limits(head: int, nframes: int, total: int, options: CodecOptions, wh
 
 
 class _Decoder:
-    def __init__(self, views: list[memoryview], resolve: Resolve | None) -> None:
+    def __init__(self, views: list[memoryview], resolve: Resolve | None, max_bytes: int) -> None:
         self.views = views  # views[0] is the header frame
         self.resolve = resolve
+        self.max_bytes = max_bytes
+        self.depth = 0
 
     def unpack(self, data: bytes | memoryview) -> Any:
         return msgpack.unpackb(data, raw=False, strict_map_key=False, ext_hook=self.ext_hook, use_list=True)
 
     def ext_hook(self, code: int, data: bytes) -> Any:
         if code == EXT_TUPLE:
-            items = self.unpack(data)
+            # Each tuple level recurses through msgpack's C unpacker: bound it before the C stack.
+            if self.depth >= _MAX_DEPTH:
+                raise ProtocolError(f"payload nests tuples deeper than {_MAX_DEPTH} levels")
+            self.depth += 1
+            try:
+                items = self.unpack(data)
+            finally:
+                self.depth -= 1
             if not isinstance(items, list):
                 raise ProtocolError(f"tuple extension holds {type(items).__name__}, expected an array")
             return tuple(items)
@@ -271,9 +281,12 @@ class _Decoder:
         if dtype is None:
             raise ProtocolError(f"tensor dtype {name!r:.40} is not one of {sorted(DTYPES)}")
         shape = _check_shape(shape)
+        nbytes = math.prod(shape) * _itemsize(dtype)
+        if nbytes > self.max_bytes:
+            raise ProtocolError(f"{name} tensor of shape {list(shape)} declares {nbytes} bytes, over "
+                                f"max_total_bytes={self.max_bytes}")
         if isinstance(ref, dict):
             return self.handle(dtype, shape, ref)
-        nbytes = math.prod(shape) * _itemsize(dtype)
         if isinstance(ref, bytes):
             _check_size(len(ref), nbytes, "inline tensor bytes", shape, name)
             if nbytes == 0:
@@ -367,7 +380,7 @@ def _decode(frames: Sequence[Any], options: CodecOptions, resolve: Resolve | Non
         raise ProtocolError(f"{len(frames) - 1} payload frames, over max_frames={options.max_frames}")
     views = [_view(f) for f in frames]
     _check_limits(views[0].nbytes, len(views) - 1, sum(v.nbytes for v in views), options, "decode")
-    dec = _Decoder(views, resolve)
+    dec = _Decoder(views, resolve, options.max_total_bytes)
     try:
         top = msgpack.unpackb(views[0], raw=False, strict_map_key=False, use_list=True)
     except (msgpack.ExtraData, msgpack.FormatError, msgpack.StackError, ValueError) as exc:
