@@ -1,0 +1,111 @@
+"""A client for an HTTP reward service (stdlib ``urllib`` only), e.g. one started with
+``python -m digenrl.rewards.server`` or any server speaking the same JSON (see :mod:`._wire`).
+
+Transient failures (connection refused or reset, timeouts, HTTP 5xx) are retried with exponential
+backoff; a 4xx answer is the caller's fault and is raised at once. Either way the final failure is a
+:class:`RewardError` naming the URL and the cause.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import socket
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+
+import torch
+
+from digenrl.rewards._wire import IMAGE_FORMATS, encode_images
+from digenrl.rewards.base import RewardError, check_batch
+
+__all__ = ["RemoteReward"]
+
+log = logging.getLogger(__name__)
+
+
+class RemoteReward:
+    """Scores batches by POSTing them to ``url``.
+
+    Args:
+        url: the service endpoint, e.g. ``http://127.0.0.1:18085/score``.
+        timeout: seconds per attempt.
+        retries: extra attempts after the first for transient failures.
+        backoff: first retry delay in seconds (doubles each retry).
+        image_format: ``"png"`` (compact) or ``"raw"`` (exact uint8 array, no codec).
+        name: the name to report.
+
+    Raises:
+        ValueError: bad arguments.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        timeout: float = 30.0,
+        retries: int = 2,
+        backoff: float = 0.2,
+        image_format: str = "png",
+        name: str = "remote",
+    ) -> None:
+        if not url.startswith(("http://", "https://")):
+            raise ValueError(f"reward url must start with http:// or https://, got {url!r}")
+        if image_format not in IMAGE_FORMATS:
+            raise ValueError(f"image_format must be one of {IMAGE_FORMATS}, got {image_format!r}")
+        if timeout <= 0 or retries < 0:
+            raise ValueError(f"timeout must be > 0 and retries >= 0, got {timeout}, {retries}")
+        self.url, self.timeout, self.retries, self.backoff = url, timeout, retries, backoff
+        self.image_format = image_format
+        self.name = name
+
+    def score(self, images: torch.Tensor, prompts: Sequence[str]) -> torch.Tensor:
+        """POST the batch and return the scores.
+
+        Raises:
+            RewardError: malformed batch, the server answered an error, it could not be reached after
+                all retries, or its answer is malformed.
+        """
+        check_batch(images, prompts, self.name)
+        body = json.dumps({"prompts": list(prompts), "images": encode_images(images, self.image_format)}).encode()
+        reply = self._post(body)
+        scores = reply.get("scores") if isinstance(reply, dict) else None
+        if not isinstance(scores, list) or len(scores) != images.shape[0]:
+            raise RewardError(f"{self.url}: expected {images.shape[0]} scores, got {str(reply)[:200]}")
+        try:
+            return torch.tensor([float(s) for s in scores], dtype=torch.float32)
+        except (TypeError, ValueError) as exc:
+            raise RewardError(f"{self.url}: non-numeric scores {scores[:8]}") from exc
+
+    def _post(self, body: bytes) -> object:
+        delay = self.backoff
+        last = "no attempt"
+        for attempt in range(self.retries + 1):
+            req = urllib.request.Request(self.url, data=body, method="POST", headers={"Content-Type": "application/json"})
+            try:
+                with urllib.request.urlopen(req, timeout=self.timeout) as resp:
+                    return json.loads(resp.read())
+            except urllib.error.HTTPError as exc:
+                detail = _error_text(exc)
+                if exc.code < 500:
+                    raise RewardError(f"{self.url}: HTTP {exc.code}: {detail}") from exc
+                last = f"HTTP {exc.code}: {detail}"
+            except (urllib.error.URLError, socket.timeout, ConnectionError, TimeoutError) as exc:
+                last = f"{type(exc).__name__}: {getattr(exc, 'reason', exc)}"
+            except json.JSONDecodeError as exc:
+                raise RewardError(f"{self.url}: answer is not JSON ({exc})") from exc
+            if attempt < self.retries:
+                log.warning("reward server %s: attempt %d failed (%s); retrying in %.2fs", self.url, attempt + 1, last, delay)
+                time.sleep(delay)
+                delay *= 2
+        raise RewardError(f"{self.url}: failed after {self.retries + 1} attempts: {last}")
+
+
+def _error_text(exc: urllib.error.HTTPError) -> str:
+    try:
+        obj = json.loads(exc.read() or b"{}")
+        return str(obj.get("error", obj))[:500]
+    except (json.JSONDecodeError, OSError, AttributeError):
+        return exc.reason if isinstance(exc.reason, str) else str(exc)

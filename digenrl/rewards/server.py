@@ -1,0 +1,152 @@
+"""A tiny HTTP reward service over the stdlib ``http.server`` (for tests and for running a reward on
+another machine). It speaks the JSON of :mod:`digenrl.rewards._wire`.
+
+Run one::
+
+    python -m digenrl.rewards.server --reward jpeg_compressibility --port 0
+
+It binds to 127.0.0.1 unless ``--host`` says otherwise and writes its URL as the first line of stdout
+(useful with ``--port 0``). Bodies above ``--max-bytes`` are refused (413); malformed requests get 400
+with the reason; a reward that raises gets 500.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+from digenrl.errors import DigenrlError
+from digenrl.rewards._wire import decode_images
+from digenrl.rewards.base import Reward, RewardError
+
+__all__ = ["RewardServer", "main"]
+
+log = logging.getLogger(__name__)
+
+
+class RewardServer:
+    """Serves ``reward`` on ``http://host:port/score`` from a background thread.
+
+    Args:
+        reward: the reward to serve.
+        host: bind address (loopback by default).
+        port: 0 picks a free port.
+        max_bytes: largest accepted request body.
+    """
+
+    def __init__(self, reward: Reward, *, host: str = "127.0.0.1", port: int = 0, max_bytes: int = 64 << 20) -> None:
+        self.reward = reward
+        self.max_bytes = max_bytes
+        self.requests = 0
+        self._lock = threading.Lock()  # rewards need not be thread-safe
+        self._httpd = ThreadingHTTPServer((host, port), self._handler_class())
+        self._httpd.daemon_threads = True
+        self._thread: threading.Thread | None = None
+
+    @property
+    def url(self) -> str:
+        """The scoring endpoint."""
+        host, port = self._httpd.server_address[:2]
+        return f"http://{host}:{port}/score"
+
+    def start(self) -> RewardServer:
+        """Serve in a daemon thread; returns self."""
+        self._thread = threading.Thread(target=self._httpd.serve_forever, name="reward-server", daemon=True)
+        self._thread.start()
+        return self
+
+    def serve_forever(self) -> None:
+        """Serve in the calling thread until interrupted."""
+        self._httpd.serve_forever()
+
+    def close(self) -> None:
+        """Stop serving and release the socket."""
+        if self._thread is not None:
+            self._httpd.shutdown()
+            self._thread.join(timeout=5)
+            self._thread = None
+        self._httpd.server_close()
+
+    def __enter__(self) -> RewardServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _score(self, payload: Any) -> list[float]:
+        if not isinstance(payload, dict):
+            raise RewardError("request body must be a JSON object")
+        prompts = payload.get("prompts")
+        if not isinstance(prompts, list) or not all(isinstance(p, str) for p in prompts):
+            raise RewardError("prompts: expected a list of strings")
+        images = decode_images(payload.get("images"))
+        with self._lock:
+            self.requests += 1
+            return [float(s) for s in self.reward.score(images, prompts)]
+
+    def _handler_class(self) -> type[BaseHTTPRequestHandler]:
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:  # noqa: N802 (http.server naming)
+                if self.path.rstrip("/") != "/score":
+                    return self._reply(404, {"error": f"unknown path {self.path!r}; POST /score"})
+                length = int(self.headers.get("Content-Length") or 0)
+                if length > server.max_bytes:
+                    return self._reply(413, {"error": f"body of {length} bytes exceeds max {server.max_bytes}"})
+                try:
+                    payload = json.loads(self.rfile.read(length))
+                except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+                    return self._reply(400, {"error": f"body is not JSON: {exc}"})
+                try:
+                    scores = server._score(payload)
+                except RewardError as exc:
+                    return self._reply(400, {"error": str(exc)})
+                except (DigenrlError, RuntimeError, ValueError) as exc:
+                    log.exception("reward failed")
+                    return self._reply(500, {"error": f"{type(exc).__name__}: {exc}"})
+                self._reply(200, {"scores": scores})
+
+            def _reply(self, code: int, obj: dict[str, Any]) -> None:
+                body = json.dumps(obj).encode()
+                self.send_response(code)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, fmt: str, *args: Any) -> None:
+                log.debug("reward server: " + fmt, *args)
+
+        return Handler
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point of ``python -m digenrl.rewards.server``."""
+    from digenrl.rewards.registry import REWARD_NAMES, make_reward
+
+    ap = argparse.ArgumentParser(description="Serve a digenrl reward over HTTP (JSON).")
+    ap.add_argument("--reward", required=True, choices=[n for n in REWARD_NAMES if n != "remote"])
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=0)
+    ap.add_argument("--max-bytes", type=int, default=64 << 20)
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    srv = RewardServer(make_reward(args.reward), host=args.host, port=args.port, max_bytes=args.max_bytes)
+    sys.stdout.write(srv.url + "\n")  # the URL is this program's output (for --port 0), not a status line
+    sys.stdout.flush()
+    try:
+        srv.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        srv.close()
+
+
+if __name__ == "__main__":
+    main()
