@@ -1,0 +1,214 @@
+"""The first-principles cost model: seconds of each token on each device, from FLOPs and bytes.
+
+A token's time is its FLOPs over (peak bf16 FLOP/s x model FLOP utilisation), plus its bytes over the
+link they cross. The only free parameters are the utilisations and the few efficiencies below; each
+has a source, and the two utilisations are fitted ONCE to a published colocated run
+(``calibration.py``: veRL-Omni Qwen-Image Flow-GRPO LoRA on 4 H800) and then held fixed for every
+model, device and schedule. Nothing here knows which schedule is running.
+
+Per token (``F`` = one transformer pass of one sample, ``profiles.ModelProfile.forward_flops``):
+
+- ROLLOUT: samples x steps x cfg_rollout x F, plus the prompt encodings when the trajectory starts.
+- REWARD: samples x (VAE decode + reward model), both counted FLOPs.
+- TRAIN: rows x cfg_train x ``TRAIN_PASSES`` x F; TSP-packed rows save ``TSP_TRAIN_SAVING``.
+  Trajectory tensors (x_i, x_{i+1}) come over the network on a dedicated trainer.
+- OPTIM: AdamW's memory traffic over HBM, plus a ring all-reduce of the gradients over the group.
+- PUBLISH: the trainable weights (LoRA adapter or full model, bf16) at the measured NCCL
+  broadcast efficiency.
+- SWITCH (colocated): the rollout engine's weights and the trainer's parameter shard over PCIe.
+  A TAG helper on a trainer pays the same onload/offload of the rollout weights, charged by the
+  simulator on each change between training and helping (``tag_switch_seconds``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from digenrl.errors import ConfigError
+from digenrl.schedule.base import Device, Role, Token, TokenKind
+from digenrl.sim.devices import GPUS_PER_NODE, DeviceSpec
+from digenrl.sim.profiles import BF16, ModelProfile
+
+__all__ = ["CostParams", "CostModel", "TRAIN_PASSES"]
+
+# fwd (1) + bwd (2, grads w.r.t. activations and weights) + activation-checkpoint recompute (1):
+# flow_grpo trains Qwen-Image with activation checkpointing, DanceGRPO uses gradient checkpointing.
+TRAIN_PASSES = 4.0
+
+
+@dataclass(frozen=True, slots=True)
+class CostParams:
+    """The cost model's parameters. Defaults other than the two MFUs are sourced constants.
+
+    Attributes:
+        mfu_rollout: utilisation of sampling, VAE decode, text encoding and reward forwards.
+            Fitted to veRL-Omni's 107.9 s Qwen-Image generation (``calibration.py``).
+        mfu_train: utilisation of the training passes, fitted to the rest of veRL-Omni's 420 s step
+            once generation, reward, switches and sync are accounted from first principles. It
+            absorbs everything veRL-Omni's trainer does beyond the counted FLOPs (FSDP parameter and
+            optimizer offload, old-log-prob recompute, per-timestep loop), and every schedule pays it.
+        tsp_train_saving: fraction of training time TSP packing removes. UniRL PR #394 measured
+            batched timestep replay cutting the train phase by 15-17 % (FLUX.2-klein 9B and
+            HunyuanVideo 1.5 on 8 GPUs); 0.16 is the midpoint.
+        weight_sync_efficiency: achieved / line-rate bandwidth of a weight broadcast. verl's
+            checkpoint engine moved Qwen3-30B-A3B to 30 receivers at 8.25 GB/s over 400 Gb/s IB
+            (50 GB/s): 0.165.
+        pcie_efficiency: achieved / nominal host-device copy bandwidth for pinned buffers (about
+            50 of 64 GB/s on PCIe Gen5, 25 of 32 on Gen4): 0.8.
+        optimizer_bytes_per_param: AdamW with fp32 master weights reads p, g, m, v and writes p, m, v
+            (7 x 4 bytes) plus the bf16 copy: 30 bytes per trainable parameter.
+        pass_latency_s: host-side latency per transformer pass (launches, Python); 5 ms.
+    """
+
+    mfu_rollout: float
+    mfu_train: float
+    tsp_train_saving: float = 0.16
+    weight_sync_efficiency: float = 8.25 / 50.0
+    pcie_efficiency: float = 0.8
+    optimizer_bytes_per_param: float = 30.0
+    pass_latency_s: float = 0.005
+
+    def __post_init__(self) -> None:
+        for name in ("mfu_rollout", "mfu_train", "weight_sync_efficiency", "pcie_efficiency"):
+            value = getattr(self, name)
+            if not 0.0 < value <= 1.0:
+                raise ConfigError(f"cost.{name}={value!r}: must be in (0, 1]")
+
+
+@dataclass(slots=True)
+class CostModel:
+    """Seconds of a token on a device for one model profile and one placement.
+
+    Args:
+        profile: the model and recipe.
+        specs: device name -> catalog entry, for every device of the run.
+        params: utilisations and efficiencies (fitted once, then fixed).
+        roles: device name -> role, used to tell dedicated trainers (which pull trajectories over
+            the network) and to size the colocated re-shard.
+    """
+
+    profile: ModelProfile
+    specs: dict[str, DeviceSpec]
+    params: CostParams
+    roles: dict[str, Role]
+    _node: dict[str, int] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        missing = set(self.roles) - set(self.specs)
+        if missing:
+            raise ConfigError(f"devices without a catalog entry: {sorted(missing)}")
+        # Devices fill nodes of GPUS_PER_NODE in the order given, one device type per node.
+        counts: dict[str, int] = {}
+        for name, spec in self.specs.items():
+            i = counts.get(spec.name, 0)
+            counts[spec.name] = i + 1
+            self._node[name] = hash((spec.name, i // GPUS_PER_NODE))
+
+    # -- link bandwidths ---------------------------------------------------------------------------
+
+    def link_bytes_per_s(self, a: str, b: str) -> float:
+        """Point-to-point bandwidth between two devices: NVLink/PCIe in a node, the NIC across."""
+        sa, sb = self.specs[a], self.specs[b]
+        if self._node[a] == self._node[b]:
+            return sa.intra_node_bytes_per_s
+        return min(sa.net_bytes_per_s, sb.net_bytes_per_s)
+
+    def _group_bytes_per_s(self, names: tuple[str, ...]) -> float:
+        nodes = {self._node[n] for n in names}
+        specs = [self.specs[n] for n in names]
+        if len(nodes) == 1:
+            return min(s.intra_node_bytes_per_s for s in specs)
+        return min(s.net_bytes_per_s for s in specs)
+
+    # -- per-kind seconds --------------------------------------------------------------------------
+
+    def _compute(self, flops: float, spec: DeviceSpec, mfu: float) -> float:
+        return flops / (spec.peak_bf16_flops * mfu)
+
+    def seconds(self, token: Token, device: Device) -> float:
+        """Predicted seconds of ``token`` on ``device`` (the ``CostEstimate`` protocol).
+
+        Raises:
+            ConfigError: the device has no catalog entry.
+        """
+        spec = self.specs.get(device.name)
+        if spec is None:
+            raise ConfigError(f"device {device.name!r} has no catalog entry in this cost model")
+        kind = token.kind
+        p, prof = self.params, self.profile
+        if kind is TokenKind.ROLLOUT:
+            steps = token.step_end - token.step_start
+            flops = token.num_samples * steps * prof.cfg_rollout * prof.forward_flops
+            if token.step_start == 0:
+                flops += sum(f.num_prompts for f in token.fragments) * prof.text_flops
+            return self._compute(flops, spec, p.mfu_rollout) + steps * p.pass_latency_s + self._pull(token, device)
+        if kind is TokenKind.REWARD:
+            flops = token.num_samples * (prof.decode_flops + prof.reward_flops)
+            return self._compute(flops, spec, p.mfu_rollout) + p.pass_latency_s + self._pull(token, device)
+        if kind is TokenKind.TRAIN:
+            return self._train(token, device, spec)
+        if kind is TokenKind.OPTIM:
+            return self._optim(token, spec)
+        if kind is TokenKind.PUBLISH:
+            return self.publish_seconds(device.name)
+        if kind is TokenKind.SWITCH:
+            return self.switch_seconds(device.name)
+        raise ConfigError(f"token kind {kind!r} has no cost")
+
+    def _pull(self, token: Token, device: Device) -> float:
+        """Latents of fragments another device holds, moved before this token runs."""
+        seconds = 0.0
+        for fragment, source in zip(token.fragments, token.sources):
+            if source and source != device.name and source in self.specs:
+                size = fragment.num_samples * self.profile.latent_bytes
+                seconds += size / self.link_bytes_per_s(source, device.name)
+        return seconds
+
+    def _train(self, token: Token, device: Device, spec: DeviceSpec) -> float:
+        p, prof = self.params, self.profile
+        flops = token.transitions * prof.cfg_train * TRAIN_PASSES * prof.forward_flops
+        seconds = self._compute(flops, spec, p.mfu_train)
+        if token.packed:
+            seconds *= 1.0 - p.tsp_train_saving
+        if self.roles.get(device.name) is Role.TRAINER:
+            # x_i and x_{i+1} of every row cross the network from the rollout side (pessimistic: the
+            # rows of one sample share latents, and a same-node source would use NVLink).
+            seconds += token.transitions * 2 * prof.latent_bytes / spec.net_bytes_per_s
+        return seconds + p.pass_latency_s
+
+    def _optim(self, token: Token, spec: DeviceSpec) -> float:
+        group = token.group or (token.device,)
+        n = len(group)
+        trainable = self.profile.trainable_params
+        update = trainable * self.params.optimizer_bytes_per_param / n / spec.hbm_bytes_per_s
+        grads = BF16 * trainable
+        allreduce = 2.0 * (n - 1) / n * grads / self._group_bytes_per_s(group) if n > 1 else 0.0
+        return update + allreduce
+
+    def publish_seconds(self, source: str) -> float:
+        """Broadcast of the trainable weights from ``source`` to the rollout side."""
+        spec = self.specs[source]
+        return self.profile.publish_bytes / (spec.net_bytes_per_s * self.params.weight_sync_efficiency)
+
+    def switch_seconds(self, name: str) -> float:
+        """One colocated phase switch: the rollout engine's full bf16 weights one way over PCIe
+        (vLLM sleep/wake) and the FSDP parameter shard the other way."""
+        spec = self.specs[name]
+        hybrids = sum(1 for r in self.roles.values() if r in (Role.HYBRID, Role.TRAINER)) or 1
+        moved = self.profile.weight_bytes * (1.0 + 1.0 / hybrids)
+        return moved / (spec.pcie_bytes_per_s * self.params.pcie_efficiency)
+
+    def tag_switch_seconds(self, name: str) -> float:
+        """A trainer entering or leaving helper generation: onload/offload the rollout weights."""
+        spec = self.specs[name]
+        return self.profile.weight_bytes / (spec.pcie_bytes_per_s * self.params.pcie_efficiency)
+
+    # -- whole-batch work, for choosing splits -----------------------------------------------------
+
+    def batch_work(self, samples: int, prompts: int, num_steps: int, trained_rows: int, spec: DeviceSpec) -> tuple[float, float]:
+        """Device-seconds of rollout (+reward) and of training for one logical batch on ``spec``."""
+        p, prof = self.params, self.profile
+        roll = samples * num_steps * prof.cfg_rollout * prof.forward_flops + prompts * prof.text_flops
+        roll += samples * (prof.decode_flops + prof.reward_flops)
+        train = trained_rows * prof.cfg_train * TRAIN_PASSES * prof.forward_flops
+        return self._compute(roll, spec, p.mfu_rollout), self._compute(train, spec, p.mfu_train)

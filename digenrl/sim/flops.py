@@ -1,0 +1,217 @@
+"""Forward FLOPs of the four paper transformers, counted analytically from their diffusers configs.
+
+Only matrix products are counted (linear layers, patch convolutions, and the two batched products of
+scaled-dot-product attention), with the convention ``2 * m * n * k`` per product. That is the same
+convention ``torch.utils.flop_counter.FlopCounterMode`` uses, so a test can check these formulas
+against a real forward of a tiny config, and against a meta-device forward of the real default
+config. Element-wise work (norms, activations, RoPE) is not counted: it is memory-bound and small
+next to the products, and a cost model applies a utilisation factor on top anyway.
+
+``DEFAULT_CONFIGS`` are the constructor defaults of the diffusers classes (diffusers 0.42.1), which
+are the released checkpoints' configs: QwenImageTransformer2DModel (20.4 B parameters),
+FluxTransformer2DModel (11.9 B; FLUX.1-dev sets ``guidance_embeds=True``), WanTransformer3DModel
+(the 14 B config) and HunyuanVideoTransformer3DModel (12.8 B). A test compares them with
+``inspect.signature`` of the installed classes, so they cannot drift silently.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any
+
+from digenrl.errors import ConfigError
+
+__all__ = ["ARCHITECTURES", "DEFAULT_CONFIGS", "SampleShape", "forward_flops", "tokens", "param_count"]
+
+ARCHITECTURES = ("qwen-image", "flux", "wan", "hunyuan-video")
+
+DEFAULT_CONFIGS: dict[str, dict[str, Any]] = {
+    "qwen-image": {  # QwenImageTransformer2DModel()
+        "patch_size": 2, "in_channels": 64, "out_channels": 16, "num_layers": 60, "attention_head_dim": 128,
+        "num_attention_heads": 24, "joint_attention_dim": 3584, "guidance_embeds": False,
+    },
+    "flux": {  # FluxTransformer2DModel(); FLUX.1-dev's hub config has guidance_embeds=True
+        "patch_size": 1, "in_channels": 64, "out_channels": None, "num_layers": 19, "num_single_layers": 38,
+        "attention_head_dim": 128, "num_attention_heads": 24, "joint_attention_dim": 4096,
+        "pooled_projection_dim": 768, "guidance_embeds": True,
+    },
+    "wan": {  # WanTransformer3DModel() = Wan2.1-T2V-14B
+        "patch_size": (1, 2, 2), "num_attention_heads": 40, "attention_head_dim": 128, "in_channels": 16,
+        "out_channels": 16, "text_dim": 4096, "freq_dim": 256, "ffn_dim": 13824, "num_layers": 40,
+    },
+    "hunyuan-video": {  # HunyuanVideoTransformer3DModel()
+        "in_channels": 16, "out_channels": 16, "num_attention_heads": 24, "attention_head_dim": 128,
+        "num_layers": 20, "num_single_layers": 40, "num_refiner_layers": 2, "mlp_ratio": 4.0, "patch_size": 2,
+        "patch_size_t": 1, "guidance_embeds": True, "text_embed_dim": 4096, "pooled_projection_dim": 768,
+    },
+}
+
+# Sinusoidal timestep features are 256 wide in all four models (TimestepEmbedding(in_channels=256)).
+_TIME_FREQ = 256
+
+
+@dataclass(frozen=True, slots=True)
+class SampleShape:
+    """What one sample looks like to the transformer.
+
+    ``latent_frames``/``latent_height``/``latent_width`` are the VAE latent grid (before patching);
+    ``text_tokens`` is the length of the prompt embedding the transformer attends to.
+    """
+
+    latent_frames: int
+    latent_height: int
+    latent_width: int
+    text_tokens: int
+
+    @staticmethod
+    def from_pixels(frames: int, height: int, width: int, text_tokens: int, spatial: int = 8, temporal: int = 4) -> SampleShape:
+        """Latent grid of a ``frames x height x width`` sample for a VAE with the given compression.
+
+        Causal video VAEs (Wan, HunyuanVideo) keep the first frame, so ``(frames - 1) / temporal + 1``.
+        """
+        if height % spatial or width % spatial:
+            raise ConfigError(f"height/width {height}x{width} must be multiples of the VAE factor {spatial}")
+        if frames < 1 or (frames - 1) % temporal:
+            raise ConfigError(f"frames={frames} must be 1 + a multiple of the temporal factor {temporal}")
+        return SampleShape((frames - 1) // temporal + 1, height // spatial, width // spatial, text_tokens)
+
+
+def _config(arch: str, config: dict[str, Any] | None) -> dict[str, Any]:
+    if arch not in DEFAULT_CONFIGS:
+        raise ConfigError(f"unknown architecture {arch!r}; known: {', '.join(ARCHITECTURES)}")
+    merged = dict(DEFAULT_CONFIGS[arch])
+    if config:
+        merged.update(config)
+    return merged
+
+
+def tokens(arch: str, shape: SampleShape, config: dict[str, Any] | None = None) -> int:
+    """Number of image/video tokens the transformer sees for one sample (after patching/packing)."""
+    c = _config(arch, config)
+    if arch in ("qwen-image", "flux"):
+        # Both pack 2x2 latent patches into one token in the pipeline (FLUX's own patch_size is 1).
+        return shape.latent_frames * (shape.latent_height // 2) * (shape.latent_width // 2)
+    if arch == "wan":
+        pt, ph, pw = c["patch_size"]
+        return (shape.latent_frames // pt) * (shape.latent_height // ph) * (shape.latent_width // pw)
+    p, pt = c["patch_size"], c["patch_size_t"]
+    return (shape.latent_frames // pt) * (shape.latent_height // p) * (shape.latent_width // p)
+
+
+def _mm(m: int, k: int, n: int) -> int:
+    return 2 * m * k * n
+
+
+def _sdpa(q_len: int, kv_len: int, width: int) -> int:
+    # QK^T and PV, each 2 * q * kv * width summed over heads.
+    return 4 * q_len * kv_len * width
+
+
+def _time_embed(d: int) -> int:
+    return _mm(1, _TIME_FREQ, d) + _mm(1, d, d)
+
+
+def _qwen(c: dict[str, Any], s: int, t: int) -> int:
+    d = c["num_attention_heads"] * c["attention_head_dim"]
+    out = c["out_channels"] * c["patch_size"] ** 2
+    f = _time_embed(d) + _mm(s, c["in_channels"], d) + _mm(t, c["joint_attention_dim"], d)
+    block = (
+        2 * _mm(1, d, 6 * d)  # img_mod, txt_mod (per sample)
+        + _mm(s + t, d, 4 * d)  # q, k, v, out of each stream
+        + _sdpa(s + t, s + t, d)  # joint attention
+        + _mm(s + t, d, 4 * d) + _mm(s + t, 4 * d, d)  # img_mlp / txt_mlp
+    )
+    return f + c["num_layers"] * block + _mm(1, d, 2 * d) + _mm(s, d, out)
+
+
+def _mmdit_double(d: int, s: int, t: int, mlp: int) -> int:
+    return 2 * _mm(1, d, 6 * d) + _mm(s + t, d, 4 * d) + _sdpa(s + t, s + t, d) + 2 * _mm(s + t, d, mlp)
+
+
+def _mmdit_single(d: int, n: int, mlp: int) -> int:
+    # norm (per sample), proj_mlp, q/k/v (no output projection: pre_only), attention, proj_out(d+mlp -> d)
+    return _mm(1, d, 3 * d) + _mm(n, d, mlp) + _mm(n, d, 3 * d) + _sdpa(n, n, d) + _mm(n, d + mlp, d)
+
+
+def _flux(c: dict[str, Any], s: int, t: int) -> int:
+    d = c["num_attention_heads"] * c["attention_head_dim"]
+    out = (c["out_channels"] or c["in_channels"]) * c["patch_size"] ** 2
+    emb = _time_embed(d) * (2 if c["guidance_embeds"] else 1) + _mm(1, c["pooled_projection_dim"], d) + _mm(1, d, d)
+    f = emb + _mm(t, c["joint_attention_dim"], d) + _mm(s, c["in_channels"] * c["patch_size"] ** 2, d)
+    f += c["num_layers"] * _mmdit_double(d, s, t, 4 * d)
+    f += c["num_single_layers"] * _mmdit_single(d, s + t, 4 * d)
+    return f + _mm(1, d, 2 * d) + _mm(s, d, out)
+
+
+def _wan(c: dict[str, Any], s: int, t: int) -> int:
+    d = c["num_attention_heads"] * c["attention_head_dim"]
+    patch = c["patch_size"][0] * c["patch_size"][1] * c["patch_size"][2]
+    f = _mm(s, c["in_channels"] * patch, d)  # patch_embedding Conv3d
+    f += _mm(1, c["freq_dim"], d) + _mm(1, d, d) + _mm(1, d, 6 * d)  # time_embedder, time_proj
+    f += _mm(t, c["text_dim"], d) + _mm(t, d, d)  # text_embedder
+    block = (
+        _mm(s, d, 4 * d) + _sdpa(s, s, d)  # self-attention
+        + _mm(s, d, 2 * d) + _mm(t, d, 2 * d) + _sdpa(s, t, d)  # cross-attention: q,out on video; k,v on text
+        + _mm(s, d, c["ffn_dim"]) + _mm(s, c["ffn_dim"], d)
+    )
+    return f + c["num_layers"] * block + _mm(s, d, c["out_channels"] * patch)
+
+
+def _hunyuan(c: dict[str, Any], s: int, t: int) -> int:
+    d = c["num_attention_heads"] * c["attention_head_dim"]
+    mlp = int(d * c["mlp_ratio"])
+    patch = c["patch_size_t"] * c["patch_size"] ** 2
+    f = _mm(s, c["in_channels"] * patch, d)  # x_embedder Conv3d
+    # token refiner: its own time/pooled-text embedding, proj_in, self-attention blocks, adaLN gates
+    te = c["text_embed_dim"]
+    f += _time_embed(d) + _mm(1, te, d) + _mm(1, d, d) + _mm(t, te, d)
+    f += c["num_refiner_layers"] * (_mm(t, d, 4 * d) + _sdpa(t, t, d) + _mm(t, d, mlp) + _mm(t, mlp, d) + _mm(1, d, 2 * d))
+    # condition embedding: timestep, guidance, pooled CLIP text
+    f += _time_embed(d) * (2 if c["guidance_embeds"] else 1) + _mm(1, c["pooled_projection_dim"], d) + _mm(1, d, d)
+    f += c["num_layers"] * _mmdit_double(d, s, t, mlp)
+    f += c["num_single_layers"] * _mmdit_single(d, s + t, mlp)
+    return f + _mm(1, d, 2 * d) + _mm(s, d, c["out_channels"] * patch)
+
+
+_FORMULAS = {"qwen-image": _qwen, "flux": _flux, "wan": _wan, "hunyuan-video": _hunyuan}
+
+
+def forward_flops(arch: str, shape: SampleShape, config: dict[str, Any] | None = None) -> int:
+    """FLOPs of one forward pass of one sample (one CFG branch) through ``arch``.
+
+    Args:
+        arch: one of ``ARCHITECTURES``.
+        shape: the sample's latent grid and text length.
+        config: overrides of the default config (tiny test configs); ``None`` = the real model.
+
+    Raises:
+        ConfigError: unknown architecture.
+    """
+    key = tuple(sorted((k, repr(v)) for k, v in (config or {}).items()))
+    return _cached(arch, shape, key, config)
+
+
+@functools.lru_cache(maxsize=512)
+def _cached(arch: str, shape: SampleShape, _key: tuple[tuple[str, str], ...], config: Any) -> int:
+    c = _config(arch, config)
+    return _FORMULAS[arch](c, tokens(arch, shape, c), shape.text_tokens)
+
+
+def param_count(arch: str) -> int:
+    """Parameters of the real model, counted on the meta device (cached; imports diffusers once).
+
+    Raises:
+        ConfigError: unknown architecture.
+    """
+    return _param_count(arch)
+
+
+# Published/meta-counted sizes (FEASIBILITY.md §2); used when diffusers should not be imported.
+_KNOWN_PARAMS = {"qwen-image": 20_430_401_088, "flux": 11_901_408_320, "wan": 14_288_491_584, "hunyuan-video": 12_821_012_544}
+
+
+@functools.lru_cache(maxsize=8)
+def _param_count(arch: str) -> int:
+    _config(arch, None)
+    return _KNOWN_PARAMS[arch]

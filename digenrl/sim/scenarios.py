@@ -1,0 +1,150 @@
+"""Paper-scale scenarios: the four models on 16 and 32 GPUs, a heterogeneous testbed, a scaling sweep.
+
+Recipes (ALGORITHM.md (b); every figure is the per-optimizer-step batch, kept fixed across GPU counts):
+
+- Qwen-Image-20B: veRL-Omni / flow_grpo Qwen recipe, 32 prompts x G 16, 10 steps, SDE window of 2
+  trained steps, true CFG, LoRA r64.
+- FLUX.1-12B: DanceGRPO, 32 prompts x G 12, 16 steps at 720^2, trains int(0.6 x 15) = 9 random steps
+  per sample, full fine-tune.
+- Wan2.1-14B: flow_grpo Wan recipe, 32 prompts x G 4, 20 steps, trains 19 (all but the last),
+  240x416x33 frames, CFG, LoRA r32.
+- HunyuanVideo-13B: DanceGRPO, 16 prompts x G 24, 16 steps at 480^2 x 53 frames, best-of-n trains 8 of
+  the 24 samples on 9 steps each; the workload carries that as 9 x 8/24 = 3 trained steps per sample
+  (same training FLOPs, every sample's trajectory still generated and scored).
+
+Disaggregated split: for a homogeneous testbed the rollout/trainer split balances one batch's rollout
+device-seconds against its training device-seconds under the fixed cost model
+(``n_rollout = round(N * R / (R + T))``, at least one of each). The heterogeneous testbed splits by
+hardware (generation on L40S, training on H800).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from digenrl.errors import ConfigError
+from digenrl.schedule.base import Device, Role, Workload
+from digenrl.sim.calibration import calibrated_params
+from digenrl.sim.cost import CostModel, CostParams
+from digenrl.sim.devices import DeviceSpec, device_spec
+from digenrl.sim.profiles import ModelProfile, profile
+
+__all__ = ["Scenario", "SCENARIOS", "scenario", "placement", "balanced_split"]
+
+DEFAULT_BATCHES = 20
+
+
+@dataclass(frozen=True, slots=True)
+class Scenario:
+    """A model recipe on a testbed.
+
+    Attributes:
+        name: key (``--scenario``).
+        model: ``profiles.PROFILES`` key.
+        prompts: prompts per logical batch; ``group_size``, ``num_steps``, ``trained_steps`` as in Workload.
+        pools: ``(device type, count)`` per pool of the testbed.
+        rollout_pool: for heterogeneous testbeds, the device type that generates in disaggregated
+            schedules (the others train); ``""`` = choose the split by the cost model.
+        kind: ``paper``, ``hetero`` or ``scaling``.
+    """
+
+    name: str
+    model: str
+    prompts: int
+    group_size: int
+    num_steps: int
+    trained_steps: int
+    pools: tuple[tuple[str, int], ...]
+    rollout_pool: str = ""
+    kind: str = "paper"
+
+    @property
+    def num_devices(self) -> int:
+        return sum(n for _, n in self.pools)
+
+    def workload(self, num_batches: int = DEFAULT_BATCHES) -> Workload:
+        return Workload(num_batches, self.prompts, self.group_size, self.num_steps, self.trained_steps)
+
+    @property
+    def testbed(self) -> str:
+        return " + ".join(f"{n}x{t}" for t, n in self.pools)
+
+
+_RECIPES = {  # model -> (prompts, G, steps, trained steps)
+    "qwen-image": (32, 16, 10, 2),
+    "flux": (32, 12, 16, 9),
+    "wan": (32, 4, 20, 19),
+    "hunyuan-video": (16, 24, 16, 3),
+}
+_SHORT = {"qwen-image": "qwen", "flux": "flux", "wan": "wan", "hunyuan-video": "hunyuan"}
+
+
+def _paper() -> list[Scenario]:
+    out = []
+    for model, (prompts, g, steps, trained) in _RECIPES.items():
+        for n in (16, 32):
+            out.append(Scenario(f"{_SHORT[model]}-{n}", model, prompts, g, steps, trained, (("H800", n),)))
+    return out
+
+
+def _scaling() -> list[Scenario]:
+    # Weak scaling of the Qwen-Image recipe: one prompt (16 images) per GPU per step.
+    prompts, g, steps, trained = _RECIPES["qwen-image"]
+    return [Scenario(f"scale-{n}", "qwen-image", max(prompts, n), g, steps, trained, (("H800", n),), kind="scaling")
+            for n in (8, 32, 128, 512, 1024)]
+
+
+SCENARIOS: dict[str, Scenario] = {
+    s.name: s
+    for s in [
+        *_paper(),
+        Scenario("hetero-flux", "flux", 32, 12, 16, 9, (("H800", 8), ("L40S", 16)), rollout_pool="L40S", kind="hetero"),
+        *_scaling(),
+    ]
+}
+
+
+def scenario(name: str) -> Scenario:
+    """Scenario by name.
+
+    Raises:
+        ConfigError: unknown name; lists the known ones.
+    """
+    if name not in SCENARIOS:
+        raise ConfigError(f"unknown scenario {name!r}; known: {', '.join(SCENARIOS)}")
+    return SCENARIOS[name]
+
+
+def balanced_split(prof: ModelProfile, sc: Scenario, spec: DeviceSpec, params: CostParams) -> int:
+    """Rollout devices of a homogeneous testbed that balance rollout and training time per batch."""
+    probe = CostModel(prof, {"x": spec}, params, {"x": Role.HYBRID})
+    w = sc.workload(1)
+    roll, train = probe.batch_work(w.samples_per_batch, w.prompts_per_batch, w.num_steps, w.rows_per_batch, spec)
+    n = sc.num_devices
+    return min(n - 1, max(1, round(n * roll / (roll + train))))
+
+
+def placement(sc: Scenario, colocated: bool, params: CostParams | None = None) -> tuple[list[Device], CostModel]:
+    """Devices (with roles) and the cost model of ``sc`` for a colocated or a disaggregated schedule.
+
+    ``Device.speed`` is peak bf16 FLOP/s relative to an H800, a placement hint for the schedule;
+    the cost model itself uses the full device specs.
+    """
+    params = params or calibrated_params()
+    prof = profile(sc.model)
+    ref = device_spec("H800").peak_bf16_flops
+    specs: dict[str, DeviceSpec] = {}
+    for dtype, count in sc.pools:
+        spec = device_spec(dtype)
+        for i in range(count):
+            specs[f"{dtype.lower()}-{i}"] = spec
+    names = list(specs)
+    if colocated:
+        roles = {n: Role.HYBRID for n in names}
+    elif sc.rollout_pool:
+        roles = {n: Role.ROLLOUT if specs[n].name == sc.rollout_pool else Role.TRAINER for n in names}
+    else:
+        n_roll = balanced_split(prof, sc, specs[names[0]], params)
+        roles = {n: Role.ROLLOUT if i < n_roll else Role.TRAINER for i, n in enumerate(names)}
+    devices = [Device(n, roles[n], specs[n].peak_bf16_flops / ref) for n in names]
+    return devices, CostModel(prof, specs, params, roles)
