@@ -37,6 +37,7 @@ import os
 import tempfile
 import weakref
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 from urllib.parse import urlsplit
@@ -171,6 +172,7 @@ class ZmqTransport(Transport):
         self._error: BaseException | None = None
         self._closed = False
         self._reader = _shm.ShmReader()
+        self.stats["shm_fallback"] = 0
         self._res = _Resources(zmq.asyncio.Context())
         self._finalizer = weakref.finalize(self, self._res.close)
         try:
@@ -229,10 +231,7 @@ class ZmqTransport(Transport):
             raise peer.broken
         if not peer.connected.is_set():
             await self._wait_connected(peer)
-        seg = None
-        offload = None
-        if peer.pool is not None:
-            seg, offload = self._shm_offload(peer, payload)
+        undo, offload = self._make_offload(peer, payload)
         try:
             frames = codec.encode(header, payload, options=self._options, offload=offload)
             big = any(codec.frame_nbytes(f) >= _TRACK_MIN for f in frames[1:])
@@ -241,8 +240,8 @@ class ZmqTransport(Transport):
                     raise peer.broken
                 tracker = await peer.sock.send_multipart(frames, copy=not big, track=big)
         except BaseException as exc:
-            if seg is not None and peer.pool is not None and peer.broken is None:
-                peer.pool.release(seg)
+            if undo is not None and peer.broken is None:
+                undo()
             self._reraise_send_error(peer, exc)
             raise
         if big and not tracker.done:
@@ -264,18 +263,30 @@ class ZmqTransport(Transport):
             if self._closed:
                 raise TransportClosed(f"zmq endpoint {self._address} was closed during a send") from None
 
-    def _shm_offload(self, peer: _Peer, payload: Any) -> tuple[Any, Any]:
+    def _make_offload(self, peer: _Peer, payload: Any) -> tuple[Callable[[], None] | None, codec.Offload | None]:
+        """Move the payload's large CPU tensors into a shared-memory segment for ``peer``.
+
+        Returns:
+            ``(undo, offload)``: ``undo`` frees the segment if the send fails; ``offload`` maps a
+            tensor to its handle (None: frames). Subclasses add device lanes here.
+        """
+        pool = peer.pool
+        if pool is None:
+            return None, None
         big = [t for t in _tensors(payload) if t.device.type == "cpu" and t.numel() * t.element_size() >= self._shm_min]
         if not big:
             return None, None
-        assert peer.pool is not None
-        seg = peer.pool.acquire(_shm.segment_bytes(big))
+        seg = pool.acquire(_shm.segment_bytes(big))
         if seg is None:
-            self.stats["shm_fallback"] = self.stats.get("shm_fallback", 0) + 1
+            self.stats["shm_fallback"] += 1
             log.debug("shm pool for %s is full; sending %d tensors as frames", peer.dst, len(big))
             return None, None
-        handles = {id(t): h for t, h in zip(big, peer.pool.write(seg, big), strict=True)}
-        return seg, lambda t: handles.get(id(t))
+        handles = {id(t): h for t, h in zip(big, pool.write(seg, big), strict=True)}
+        return (lambda: pool.release(seg)), (lambda t: handles.get(id(t)))
+
+    def _resolver(self, src: str) -> codec.Resolve:
+        """The codec ``resolve`` hook for one message from ``src`` (shared-memory handles)."""
+        return self._reader.resolver(src)
 
     def _open_peer(self, dst: str) -> _Peer:
         if not dst.startswith(("ipc://", "tcp://")):
@@ -383,17 +394,19 @@ class ZmqTransport(Transport):
                 while len(self._queue) >= self._hwm:
                     self._space.clear()
                     await self._space.wait()
-                frames = await self._router.recv_multipart(copy=False)
-                msg = self._decode(frames)
-                if msg is not None:
-                    self._queue.append(msg)
-                    self.stats["received"] += 1
-                    self._wake()
+                # No locals may outlive the iteration: a held message would pin its shm segment.
+                self._enqueue(self._decode(await self._router.recv_multipart(copy=False)))
         except asyncio.CancelledError:
             raise
         except BaseException as exc:  # never die silently: hand the error to every receiver
             log.exception("zmq reader of %s failed", self._address)
             self._error = exc
+            self._wake()
+
+    def _enqueue(self, msg: Message | None) -> None:
+        if msg is not None:
+            self._queue.append(msg)
+            self.stats["received"] += 1
             self._wake()
 
     def _decode(self, frames: list[zmq.Frame]) -> Message | None:
@@ -402,7 +415,7 @@ class ZmqTransport(Transport):
         except UnicodeDecodeError:
             src = repr(frames[0].bytes[:64])
         try:
-            header, payload = codec.decode(frames[1:], options=self._options, resolve=self._reader.resolver(src))
+            header, payload = codec.decode(frames[1:], options=self._options, resolve=self._resolver(src))
         except ProtocolError as exc:
             self.stats["dropped"] += 1
             log.warning("dropped a malformed message from %s: %s", src, exc)

@@ -193,6 +193,8 @@ class _ZmqBase(TransportConformance):
             proc.send_signal(signal.SIGKILL)
             await asyncio.to_thread(proc.wait)
             proc.stdout.close()  # type: ignore[union-attr]
+            if address.startswith("ipc://") and os.path.exists(address[6:]):
+                os.unlink(address[6:])  # a SIGKILLed process cannot remove its socket file
 
         return address, kill
 

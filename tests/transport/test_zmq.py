@@ -1,0 +1,176 @@
+"""ZeroMQ-specific behaviour: garbage is dropped and counted, the shared-memory lane reuses and
+releases its segments, high-water marks push back, sockets are cleaned up on every path, and the
+cuda_ipc transport's host-staging fallback warns, counts, or refuses when strict."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import os
+import tempfile
+import uuid
+
+import pytest
+import torch
+import zmq
+
+from digenrl.errors import ConfigError
+from digenrl.transport import make_transport
+from digenrl.transport._shm import SHM_DIR
+from digenrl.transport.codec import PROTOCOL_VERSION
+from digenrl.transport.zmq import ZmqTransport
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def ipc() -> str:
+    return f"ipc://{tempfile.gettempdir()}/digenrl-test-{uuid.uuid4().hex[:12]}.sock"
+
+
+def our_segments() -> set[str]:
+    return {n for n in os.listdir(SHM_DIR) if n.startswith(f"digenrl-{os.getpid()}-")}
+
+
+async def test_tcp_port_zero_reports_real_port() -> None:
+    t = make_transport("zmq", "tcp://127.0.0.1:0")
+    try:
+        host, port = t.address.removeprefix("tcp://").rsplit(":", 1)
+        assert host == "127.0.0.1" and int(port) > 0
+    finally:
+        await t.aclose()
+
+
+async def test_garbage_is_dropped_and_counted_receiver_survives() -> None:
+    import msgpack
+
+    b = make_transport("zmq", ipc())
+    a = make_transport("zmq", ipc())
+    ctx = zmq.Context()
+    evil = ctx.socket(zmq.DEALER)
+    evil.setsockopt(zmq.IDENTITY, b"evil")
+    evil.connect(b.address)
+    try:
+        recv = asyncio.create_task(b.recv())
+        evil.send_multipart([b"\xc1 not msgpack"])
+        evil.send_multipart([msgpack.packb([PROTOCOL_VERSION + 7, 0, {}, None])])
+        evil.send_multipart([msgpack.packb([PROTOCOL_VERSION, 3, {}, None])])
+        await a.send(b.address, {"op": "good"})
+        msg = await asyncio.wait_for(recv, 5)
+        assert msg.header == {"op": "good"} and msg.src == a.address
+        assert b.stats["dropped"] == 3 and b.stats["received"] == 1
+        # A hand-written message from a process without digenrl (the format is plain msgpack).
+        evil.send_multipart([msgpack.packb([PROTOCOL_VERSION, 0, {"op": "hi"}, [1, 2]])])
+        msg = await asyncio.wait_for(b.recv(), 5)
+        assert (msg.src, msg.header, msg.payload) == ("evil", {"op": "hi"}, [1, 2])
+    finally:
+        evil.close(linger=0)
+        ctx.term()
+        await a.aclose()
+        await b.aclose()
+
+
+async def test_shm_lane_reuses_segment_after_release_and_leaks_nothing() -> None:
+    before = our_segments()
+    a, b = make_transport("zmq", ipc()), make_transport("zmq", "tcp://127.0.0.1:0")
+    try:
+        x = torch.randn(1 << 20)  # 4 MiB: over shm_min_bytes
+        for i in range(3):
+            await a.send(b.address, {"i": i}, {"x": x + i})
+            msg = await b.recv()
+            assert torch.equal(msg.payload["x"], x + i)
+            del msg  # the receiver lets go: the segment is FREE for the next send
+            gc.collect()
+        pool = a._peers[b.address].pool  # loopback tcp counts as same host
+        assert pool is not None and len(pool.segments) == 1
+        # While the receiver holds a tensor its segment stays BUSY, so a second one is made.
+        await a.send(b.address, {}, {"x": x})
+        held = await b.recv()
+        await a.send(b.address, {}, {"x": x * 2})
+        held2 = await b.recv()
+        assert len(pool.segments) == 2 and torch.equal(held.payload["x"], x) and torch.equal(held2.payload["x"], x * 2)
+        assert our_segments() == before  # names are unlinked as soon as the receiver maps them
+    finally:
+        await a.aclose()
+        await b.aclose()
+    assert our_segments() == before
+
+
+async def test_shm_pool_full_falls_back_to_frames() -> None:
+    a = make_transport("zmq", ipc(), shm_pool_bytes=2 << 20)
+    b = make_transport("zmq", ipc())
+    try:
+        x = torch.arange(3 << 18, dtype=torch.int32)  # 3 MiB: needs a 4 MiB segment > pool
+        await a.send(b.address, {}, {"x": x})
+        assert torch.equal((await b.recv()).payload["x"], x)
+        assert a.stats["shm_fallback"] == 1
+    finally:
+        await a.aclose()
+        await b.aclose()
+
+
+async def test_high_water_mark_pushes_back() -> None:
+    a = make_transport("zmq", ipc(), hwm=2, shm=False)
+    b = make_transport("zmq", ipc(), hwm=2, shm=False)
+    try:
+        await b.send(a.address, {})  # start b's reader, then stop reading
+        chunk = torch.zeros(256 << 10, dtype=torch.uint8)
+
+        async def flood() -> None:
+            for i in range(200):
+                await a.send(b.address, {"i": i}, chunk)
+
+        task = asyncio.create_task(flood())
+        await asyncio.sleep(0.5)
+        assert not task.done()  # 50 MiB cannot fit in two queues of two messages plus socket buffers
+        got = [(await b.recv()).header["i"] for _ in range(200)]
+        await asyncio.wait_for(task, 20)
+        assert got == list(range(200))
+    finally:
+        await a.aclose()
+        await b.aclose()
+
+
+async def test_gc_and_failed_construction_release_sockets() -> None:
+    address = ipc()
+    t = ZmqTransport(address)
+    path = address.removeprefix("ipc://")
+    assert os.path.exists(path)
+    del t
+    gc.collect()
+    assert not os.path.exists(path)  # the finalizer closed the socket and removed the ipc file
+
+    first = make_transport("zmq", "tcp://127.0.0.1:0")
+    try:
+        with pytest.raises(zmq.ZMQError):
+            ZmqTransport(first.address)  # address in use: the half-built endpoint cleans up
+    finally:
+        await first.aclose()
+
+
+async def test_cuda_ipc_stages_cpu_tensors_with_warning_and_counter() -> None:
+    from digenrl.transport.cuda_ipc import HostStagingWarning
+
+    a, b = make_transport("cuda_ipc", ipc()), make_transport("cuda_ipc", ipc())
+    try:
+        x = torch.randn(1000)
+        with pytest.warns(HostStagingWarning, match="staging 1 tensor"):
+            await a.send(b.address, {"op": "w"}, {"x": x, "step": torch.tensor(3)})
+        msg = await b.recv()
+        assert torch.equal(msg.payload["x"], x) and a.stats["staged"] == 1
+    finally:
+        await a.aclose()
+        await b.aclose()
+
+
+async def test_cuda_ipc_strict_refuses_staging() -> None:
+    if torch.cuda.is_available():
+        a, b = make_transport("cuda_ipc", ipc(), strict=True), make_transport("cuda_ipc", ipc())
+        try:
+            with pytest.raises(ConfigError, match="strict=True"):
+                await a.send(b.address, {}, {"x": torch.randn(1000)})
+        finally:
+            await a.aclose()
+            await b.aclose()
+    else:
+        with pytest.raises(ConfigError, match="needs CUDA"):
+            make_transport("cuda_ipc", ipc(), strict=True)
