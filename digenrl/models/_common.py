@@ -93,6 +93,12 @@ def check_num_steps(num_steps: int) -> None:
         raise ValueError(f"num_steps must be a positive int, got {num_steps!r}")
 
 
+def check_prompts(prompts: list[str]) -> None:
+    """Raise ``ValueError`` unless ``prompts`` is a non-empty list of str (a bare str is a common slip)."""
+    if isinstance(prompts, str) or not prompts or not all(isinstance(p, str) for p in prompts):
+        raise ValueError(f"prompts must be a non-empty list of str, got {prompts!r:.80}")
+
+
 def load_pipeline_offline(pipeline_cls: type, path: str | Path | None, dtype: torch.dtype, device: str | torch.device) -> Any:
     """``pipeline_cls.from_pretrained(path)`` strictly from local files, with errors naming what is missing.
 

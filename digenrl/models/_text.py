@@ -92,7 +92,7 @@ def byte_clip_tokenizer() -> Any:
         vocab[c + "</w>"] = len(vocab)
     for s in ("<|startoftext|>", "<|endoftext|>"):
         vocab[s] = len(vocab)
-    return CLIPTokenizer(vocab=vocab, merges=[])
+    return CLIPTokenizer(vocab=vocab, merges=[], model_max_length=77)
 
 
 def tiny_clip_text_model(hidden_size: int, vocab_size: int, max_len: int = 77) -> Any:
@@ -120,7 +120,7 @@ def byte_t5_tokenizer() -> Any:
 
     pieces = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("▁", -1.0)]
     pieces += [(chr(i), -2.0) for i in range(33, 127)]
-    return T5Tokenizer(vocab=pieces, extra_ids=0)
+    return T5Tokenizer(vocab=pieces, extra_ids=0, model_max_length=512)
 
 
 def tiny_t5_encoder(d_model: int, vocab_size: int) -> Any:
@@ -146,22 +146,26 @@ def tiny_umt5_encoder(d_model: int, vocab_size: int) -> Any:
 
 
 def byte_llama_tokenizer() -> Any:
-    """A byte-level ``LlamaTokenizer`` (BOS/EOS plus the 256 byte symbols)."""
+    """A ``LlamaTokenizer`` over printable ASCII and ``▁``, with byte fallback for everything else."""
     from transformers import LlamaTokenizer
 
-    vocab = {c: i for i, c in enumerate(_byte_alphabet())}
-    for s in ("<unk>", "<s>", "</s>"):
-        vocab[s] = len(vocab)
-    return LlamaTokenizer(vocab=vocab, merges=[])
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, "\u2581": 3}
+    for i in range(33, 127):
+        vocab[chr(i)] = len(vocab)
+    for b in range(256):
+        vocab[f"<0x{b:02X}>"] = len(vocab)
+    tok = LlamaTokenizer(vocab=vocab, merges=[], model_max_length=1024, padding_side="right")
+    tok.pad_token = "</s>"
+    return tok
 
 
 def tiny_llama_model(hidden_size: int, vocab_size: int) -> Any:
-    """A random 2-layer ``LlamaModel`` with ``hidden_size`` features."""
+    """A random 3-layer ``LlamaModel`` (HunyuanVideo reads the third-last hidden state)."""
     from transformers import LlamaConfig, LlamaModel
 
     cfg = LlamaConfig(
-        vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=2 * hidden_size, num_hidden_layers=2,
+        vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=2 * hidden_size, num_hidden_layers=3,
         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=1024,
-        bos_token_id=vocab_size - 2, eos_token_id=vocab_size - 1, pad_token_id=vocab_size - 1,
+        bos_token_id=1, eos_token_id=2, pad_token_id=2,
     )
     return LlamaModel(cfg).eval()

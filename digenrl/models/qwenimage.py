@@ -26,6 +26,7 @@ import torch
 from digenrl.models._common import (
     DiffusersGenerator,
     check_num_steps,
+    check_prompts,
     check_sigma,
     flow_match_sigmas,
     load_pipeline_offline,
@@ -139,7 +140,7 @@ class QwenImageModel(DiffusersGenerator):
         Raises:
             ValueError: ``prompts`` is empty or not a list of strings.
         """
-        _check_prompts(prompts)
+        check_prompts(prompts)
         device = self.device
         emb, mask = self.pipe.encode_prompt(prompt=list(prompts), device=device, max_sequence_length=self.text_len)
         emb, mask = pad_tokens(emb.to(self.dtype), mask, self.text_len)
@@ -239,8 +240,3 @@ def qwen_true_cfg(v_c: torch.Tensor, v_u: torch.Tensor, scale: float) -> torch.T
     """``v_u + w (v_c − v_u)`` rescaled per token to the conditional branch's norm (over the last dim)."""
     comb = v_u + scale * (v_c - v_u)
     return comb * (torch.linalg.vector_norm(v_c, dim=-1, keepdim=True) / torch.linalg.vector_norm(comb, dim=-1, keepdim=True))
-
-
-def _check_prompts(prompts: list[str]) -> None:
-    if isinstance(prompts, str) or not prompts or not all(isinstance(p, str) for p in prompts):
-        raise ValueError(f"prompts must be a non-empty list of str, got {prompts!r:.80}")
