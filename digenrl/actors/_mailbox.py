@@ -116,7 +116,8 @@ class ActorHost:
     async def _stop(self, timeout: float, exc: BaseException | None) -> None:
         end = time.monotonic() + timeout
         queued = self._mailbox.qsize()
-        log.info("[shutdown] Actor %s: step=drain queued=%d deadline=%.1fs", self.name, queued, timeout)
+        level = logging.DEBUG if self.name.startswith("_") else logging.INFO  # built-in actors are noise
+        log.log(level, "[shutdown] Actor %s: step=drain queued=%d deadline=%.1fs", self.name, queued, timeout)
         self.state = State.DRAINING
         if self._consumer is not None:
             self._mailbox.put_nowait(None)  # the consumer stops when it reaches this
@@ -134,7 +135,7 @@ class ActorHost:
         await self._cleanup(exc, timeout=max(0.1, end - time.monotonic()))
         self.state = State.CLOSED
         self.node.hosts.pop(self.name, None)
-        log.info("[shutdown] Actor %s: step=closed", self.name)
+        log.log(level, "[shutdown] Actor %s: step=closed", self.name)
 
     async def _cleanup(self, exc: BaseException | None, timeout: float) -> None:
         if self._cleaned:
@@ -199,7 +200,12 @@ class ActorHost:
                 continue
             req.task = asyncio.create_task(self._execute(req), name=f"digenrl-call-{self.name}.{req.method}")
             # asyncio.wait, not await: a cancelled call must not cancel the consumer itself.
-            await asyncio.wait({req.task})
+            try:
+                await asyncio.wait({req.task})
+            except asyncio.CancelledError:  # the drain deadline passed: abort the call too
+                req.task.cancel()
+                await asyncio.wait({req.task})
+                raise
 
     async def _execute(self, req: _Request) -> None:
         where = f"{self.name}.{req.method}"
@@ -210,6 +216,9 @@ class ActorHost:
                 result = await req.endpoint.invoke(self.actor, req.args, req.kwargs)
         except asyncio.CancelledError:
             if not req.cancelled:
+                if self.state is State.DRAINING:  # the drain deadline passed: tell the caller
+                    self._fail(req.src, req.call_id, where, ActorDraining(
+                        f"actor {self.name!r} shut down (drain deadline) before {req.method!r} finished"))
                 raise
             log.info("actor %s: call %s cancelled by its caller", self.name, where)
         except Exception as exc:

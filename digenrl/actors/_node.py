@@ -6,8 +6,10 @@ actor process). Two background tasks serve it:
 * the **router** reads the transport and dispatches: calls to the hosted actors' mailboxes,
   replies to pending futures, pings answered at once (never queued behind actor work), bad input
   dropped with a rate-limited warning (or answered with an error when it is a call we can name);
-* the **sender** drains one outbound queue in order, so a ``tell`` followed by a ``call`` to the
-  same actor arrives in that order. Messages to this node's own address (in-process actors) are
+* **senders**, one short-lived task per destination with messages queued, drain that
+  destination's queue in order, so a ``tell`` followed by a ``call`` to the same actor arrives in
+  that order, and a slow or unreachable destination (a connect timeout, a spoofed reply address)
+  delays only its own messages. Messages to this node's own address (in-process actors) are
   dispatched directly without the codec, so their arguments pass by reference.
 
 Death: ``mark_dead(address, reason)`` fails every call pending on that address with
@@ -19,6 +21,7 @@ Background-task failures are never silent: they fail every pending call and are 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import itertools
 import logging
@@ -75,7 +78,8 @@ class Node:
         self.bad_input = _wire.BadInputLog(log, f"node {name}")
         self._pending: dict[int, _Pending] = {}
         self._ids = itertools.count(1)
-        self._outbox: asyncio.Queue[_Out] = asyncio.Queue()
+        self._queues: dict[str, collections.deque[_Out]] = {}
+        self._senders: dict[str, asyncio.Task[None]] = {}
         self._tasks: list[asyncio.Task[None]] = []
         self._closed = False
         self._remove_listener: Callable[[], None] | None = None
@@ -85,13 +89,12 @@ class Node:
         return self._closed
 
     def start(self) -> None:
-        """Start the router and sender tasks (on the running loop, in this node's context)."""
+        """Start the router task (on the running loop, in this node's context)."""
         current_node.set(self)
         self._remove_listener = self.transport.add_peer_listener(self._on_peer_broken)
-        for coro, label in ((self._route(), "router"), (self._send_loop(), "sender")):
-            task = asyncio.create_task(coro, name=f"digenrl-{self.name}-{label}")
-            task.add_done_callback(self._on_task_done)
-            self._tasks.append(task)
+        task = asyncio.create_task(self._route(), name=f"digenrl-{self.name}-router")
+        task.add_done_callback(self._on_task_done)
+        self._tasks.append(task)
 
     # -- calling out -----------------------------------------------------------------------------
     def call(self, ref: ActorRef[Any], method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> asyncio.Future[Any]:
@@ -107,7 +110,7 @@ class Node:
         self._pending[call_id] = _Pending(fut, ref.address, ref.name, method)
         fut.add_done_callback(lambda f: self._call_done(call_id, ref, f))
         header = {"k": "call", "i": call_id, "to": ref.name, "m": method}
-        self._outbox.put_nowait(_Out(ref.address, header, [args, kwargs], lambda e: self._call_failed(call_id, e)))
+        self._enqueue(_Out(ref.address, header, [args, kwargs], lambda e: self._call_failed(call_id, e)))
         return fut
 
     def tell(self, ref: ActorRef[Any], method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -126,17 +129,17 @@ class Node:
             log.warning("tell %s.%s to %s failed: %s", ref.name, method, ref.address, exc)
 
         header = {"k": "tell", "to": ref.name, "m": method}
-        self._outbox.put_nowait(_Out(ref.address, header, [args, kwargs], failed))
+        self._enqueue(_Out(ref.address, header, [args, kwargs], failed))
 
     def send(self, dst: str, header: dict[str, Any], payload: Any = None) -> None:
         """Queue a raw runtime message (replies, pings, notices); failures are logged."""
         if not self._closed:
-            self._outbox.put_nowait(_Out(dst, header, payload, None))
+            self._enqueue(_Out(dst, header, payload, None))
 
     def reply(self, dst: str, call_id: int, result: Any, on_error: Callable[[BaseException], None]) -> None:
         """Queue the ``ok`` reply of call ``call_id``; ``on_error`` runs if it cannot be encoded/sent."""
         if not self._closed:
-            self._outbox.put_nowait(_Out(dst, {"k": "ok", "i": call_id}, result, on_error))
+            self._enqueue(_Out(dst, {"k": "ok", "i": call_id}, result, on_error))
 
     def reply_error(self, dst: str, call_id: int, where: str, exc: BaseException) -> None:
         """Queue the ``err`` reply of call ``call_id`` carrying ``exc``'s traceback as text."""
@@ -173,13 +176,21 @@ class Node:
             self.mark_dead(peer, f"transport broken: {error}")
 
     # -- background tasks ------------------------------------------------------------------------
-    async def _send_loop(self) -> None:
-        while True:
-            out = await self._outbox.get()
-            try:
-                await self._send_one(out)
-            finally:
-                self._outbox.task_done()
+    def _enqueue(self, out: _Out) -> None:
+        queue = self._queues.setdefault(out.dst, collections.deque())
+        queue.append(out)
+        if out.dst not in self._senders:
+            task = asyncio.create_task(self._drain(out.dst, queue), name=f"digenrl-{self.name}-send")
+            self._senders[out.dst] = task
+
+    async def _drain(self, dst: str, queue: collections.deque[_Out]) -> None:
+        try:
+            while queue:
+                await self._send_one(queue.popleft())
+        finally:  # no await between the last check and here, so no message can be stranded
+            del self._senders[dst]
+            if not queue:
+                self._queues.pop(dst, None)
 
     async def _send_one(self, out: _Out) -> None:
         if out.dst == self.address:
@@ -309,8 +320,8 @@ class Node:
 
     async def flush(self, timeout: float) -> None:
         """Wait (up to ``timeout``) until the outbound queue is empty."""
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._outbox.join(), timeout)
+        if self._senders:
+            await asyncio.wait(set(self._senders.values()), timeout=timeout)
 
     async def aclose(self, reason: str = "node closed") -> None:
         """Stop the tasks, fail pending calls and close the transport. Idempotent.
@@ -323,11 +334,13 @@ class Node:
         if self._remove_listener is not None:
             self._remove_listener()
         self._fail_pending(ActorDied(self.name, reason))
-        for task in self._tasks:
+        tasks = [*self._tasks, *self._senders.values()]
+        for task in tasks:
             task.cancel()
-        for task in self._tasks:
+        for task in tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
+        self._queues.clear()
         await self.transport.aclose()
         if current_node.get() is self:
             current_node.set(None)

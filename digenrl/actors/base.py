@@ -384,8 +384,10 @@ def encode_refs(obj: Any) -> Any:
         return {_REF_KEY: obj.ref.to_dict()}
     if isinstance(obj, dict):
         return {k: encode_refs(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
+    if isinstance(obj, list):
         return [encode_refs(v) for v in obj]
+    if isinstance(obj, tuple):
+        return tuple(encode_refs(v) for v in obj)
     return obj
 
 
@@ -401,4 +403,6 @@ def decode_refs(obj: Any, node: Node) -> Any:
         return {k: decode_refs(v, node) for k, v in obj.items()}
     if isinstance(obj, list):
         return [decode_refs(v, node) for v in obj]
+    if isinstance(obj, tuple):
+        return tuple(decode_refs(v, node) for v in obj)
     return obj

@@ -291,8 +291,11 @@ class ActorSystem:
 
     # -- supervision -----------------------------------------------------------------------------
     async def _heartbeat_loop(self) -> None:
-        node = self._running()
+        node = self.node
+        assert node is not None
         for seq in itertools.count():
+            if self._state != "running":
+                return
             now = time.monotonic()
             for worker in list(self._workers.values()):
                 silent = now - node.last_heard.get(worker.address, now)
