@@ -9,8 +9,8 @@ Use :func:`make_transport` to build one by kind::
 
 Kinds: ``inproc`` (same process), ``zmq`` (``ipc://`` / ``tcp://``, shared memory for large
 tensors between processes of one host), ``cuda_ipc`` (same-node GPU tensors by IPC handle, zmq
-underneath), ``torchdist`` (zmq endpoint plus torch.distributed collectives; see
-:mod:`digenrl.transport.torchdist`). Implementation modules are imported lazily so that a process
+underneath), ``torchdist`` (zmq endpoint plus a torch.distributed group for bucketed state-dict
+broadcast and p2p tensors; see :mod:`digenrl.transport.torchdist`). Implementation modules are imported lazily so that a process
 using only ``inproc`` does not import pyzmq.
 """
 
@@ -45,7 +45,8 @@ def make_transport(kind: str, address: str | None = None, **options: Any) -> Tra
             ``tcp://host:port`` for the zmq-based kinds (port 0 picks a free port; ``.address``
             then reports the real one). None picks a fresh inproc name or a private ipc path.
         **options: passed to the implementation's constructor (e.g. ``copy`` for inproc;
-            ``hwm``, ``chunk_bytes``, ``shm``, ``heartbeat_s`` for zmq; ``strict`` for cuda_ipc).
+            ``hwm``, ``chunk_bytes``, ``shm``, ``heartbeat_s`` for zmq; ``strict`` for cuda_ipc;
+            ``rank``, ``world_size``, ``init_method``, ``backend`` for torchdist).
 
     Returns:
         An open endpoint; close it with ``await t.aclose()`` (or ``async with``).
@@ -57,12 +58,16 @@ def make_transport(kind: str, address: str | None = None, **options: Any) -> Tra
         from digenrl.transport.inproc import InprocTransport
 
         return InprocTransport(address, **options)
-    if kind in ("zmq", "torchdist"):
-        # torchdist moves bulk weights with torch.distributed collectives (torchdist.py); its
-        # endpoint-to-endpoint messages and control headers ride on zmq.
+    if kind == "zmq":
         from digenrl.transport.zmq import ZmqTransport
 
         return ZmqTransport(address, **options)
+    if kind == "torchdist":
+        # Bulk tensors go through torch.distributed collectives; messages and control headers
+        # ride on zmq. Needs rank=, world_size= (and usually init_method=) in options.
+        from digenrl.transport.torchdist import TorchDistTransport
+
+        return TorchDistTransport(address, **options)
     if kind == "cuda_ipc":
         from digenrl.transport.cuda_ipc import CudaIpcTransport
 
