@@ -73,3 +73,17 @@ def test_unknown_name_and_preset_list_allowed_values():
         load_model("sd3", "tiny")
     with pytest.raises(ConfigError, match="allowed: tiny, small, pretrained"):
         load_model("qwenimage", "huge")
+
+
+@pytest.mark.parametrize("name", ["flux", "wan21", "hunyuanvideo"])
+def test_other_models_pretrained_roundtrip_identical(name, tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    m = load_model(name, "tiny", seed=1)
+    m.save_pretrained(tmp_path)
+    loaded = load_model(name, "pretrained", path=tmp_path, resolution=(64, 64), text_len=m.text_len)
+    assert type(loaded.pipe) is type(m.pipe)
+    a, b = _outputs(m), _outputs(loaded)
+    for k in a[0]:
+        torch.testing.assert_close(a[0][k], b[0][k], rtol=0, atol=0)
+    for u, w in zip(a[1:], b[1:]):
+        torch.testing.assert_close(u, w, rtol=0, atol=0)
