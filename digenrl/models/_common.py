@@ -168,6 +168,9 @@ def pad_tokens(embeds: torch.Tensor, mask: torch.Tensor | None, length: int) -> 
     if mask is None:
         mask = torch.ones(b, l, dtype=torch.long, device=embeds.device)
     mask = mask.to(torch.long)
+    if l > length and bool(mask[:, length:].any()):
+        logger.warning("prompt embeddings truncated from %d to %d tokens (raise model text_len to keep them)",
+                       int(mask.sum(1).max()), length)
     if l >= length:
         return embeds[:, :length].contiguous(), mask[:, :length].contiguous()
     pad_e = embeds.new_zeros(b, length - l, d)

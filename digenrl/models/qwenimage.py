@@ -142,11 +142,12 @@ class QwenImageModel(DiffusersGenerator):
         """
         check_prompts(prompts)
         device = self.device
-        emb, mask = self.pipe.encode_prompt(prompt=list(prompts), device=device, max_sequence_length=self.text_len)
+        # the pipeline encodes up to 1024 tokens anyway; truncating here lets pad_tokens warn about it
+        emb, mask = self.pipe.encode_prompt(prompt=list(prompts), device=device, max_sequence_length=1024)
         emb, mask = pad_tokens(emb.to(self.dtype), mask, self.text_len)
         cond: Cond = {"prompt_embeds": emb, "prompt_mask": mask}
         if self.guidance_scale > 1.0:
-            nemb, nmask = self.pipe.encode_prompt(prompt=[NEGATIVE_PROMPT], device=device, max_sequence_length=self.text_len)
+            nemb, nmask = self.pipe.encode_prompt(prompt=[NEGATIVE_PROMPT], device=device, max_sequence_length=1024)
             nemb, nmask = pad_tokens(nemb.to(self.dtype), nmask, self.text_len)
             cond["negative_embeds"] = nemb.expand(len(prompts), -1, -1).contiguous()
             cond["negative_mask"] = nmask.expand(len(prompts), -1).contiguous()
@@ -233,7 +234,7 @@ class QwenImageModel(DiffusersGenerator):
         pipe = to_device_dtype(build_qwenimage_pipeline(preset, seed), device, dtype)
         h, w = resolution or (64, 64)
         return cls(pipe, height=h, width=w, guidance_scale=4.0 if guidance_scale is None else guidance_scale,
-                   text_len=text_len or 48)
+                   text_len=text_len or 32)
 
 
 def qwen_true_cfg(v_c: torch.Tensor, v_u: torch.Tensor, scale: float) -> torch.Tensor:

@@ -147,3 +147,21 @@ def test_velocity_rejects_bad_sigma_shape(qwen):
     x = qwen.prepare_latents(2)
     with pytest.raises(ValueError, match=r"sigma must have shape \[B\]"):
         qwen.velocity(x, torch.tensor([0.5, 0.5, 0.5]), cond)
+
+
+def test_conditionings_of_separate_batches_concatenate(qwen, caplog):
+    from digenrl.models import cat_cond, index_cond, repeat_cond
+
+    a, b = qwen.encode_prompts(["a cat"]), qwen.encode_prompts(["a much longer prompt, about dogs"])
+    both = qwen.encode_prompts(["a cat", "a much longer prompt, about dogs"])
+    joined = cat_cond([a, b])
+    x = qwen.prepare_latents(2, torch.Generator().manual_seed(6))
+    sigma = torch.tensor([0.5, 0.5])
+    with torch.no_grad():
+        torch.testing.assert_close(qwen.velocity(x, sigma, joined), qwen.velocity(x, sigma, both), rtol=1e-5, atol=1e-6)
+    rep = repeat_cond(a, 3)
+    assert rep["prompt_embeds"].shape[0] == 3
+    torch.testing.assert_close(index_cond(rep, [2])["prompt_embeds"], a["prompt_embeds"], rtol=0, atol=0)
+    with caplog.at_level("WARNING"):
+        long = qwen.encode_prompts(["x" * 200])
+    assert long["prompt_embeds"].shape[1] == qwen.text_len and "truncated" in caplog.text
