@@ -320,6 +320,9 @@ class ActorSystem:
         node.mark_dead(worker.address, reason)
         for other in self._workers.values():
             node.send(other.address, {"k": "dead", "a": worker.address, "why": reason})
+        if worker.process is not None and worker.process.returncode is None:
+            # Declared dead (e.g. hung, no heartbeats) but still there: make sure it is gone.
+            self._background(worker.process.stop(0.0), f"kill-{worker.name}")
 
     def _background(self, coro: Any, label: str) -> None:
         task = asyncio.create_task(coro, name=f"digenrl-{self.name}-{label}")

@@ -66,7 +66,18 @@ def _helper_that_raises(message: str) -> None:
 
 
 class Cruncher(Actor):
-    """A compute endpoint that blocks its worker thread until a control endpoint releases it."""
+    """A compute endpoint that blocks its worker thread until a control endpoint releases it.
+
+    With ``marker``, ``__cleanup__`` records its call in that file (visible after the process is gone).
+    """
+
+    def __init__(self, marker: str | None = None) -> None:
+        self.marker = marker
+
+    async def __cleanup__(self, exc: BaseException | None) -> None:
+        if self.marker is not None:
+            with open(self.marker, "w") as f:
+                f.write(f"cleanup exc={exc!r}")
 
     async def setup(self) -> None:
         self.release = threading.Event()
@@ -105,18 +116,3 @@ class BadSetup(Actor):
 
 def _load_weights_that_are_missing() -> None:
     raise FileNotFoundError("weights.safetensors not found")
-
-
-class Cleaner(Actor):
-    """Records its ``__cleanup__`` call in a file (visible after its process is gone)."""
-
-    def __init__(self, marker: str) -> None:
-        self.marker = marker
-
-    @endpoint
-    async def ping(self) -> str:
-        return "pong"
-
-    async def __cleanup__(self, exc: BaseException | None) -> None:
-        with open(self.marker, "w") as f:
-            f.write(f"cleanup exc={exc!r}")
