@@ -317,24 +317,29 @@ class ZmqTransport(Transport):
             raise peer.broken
 
     async def _watch(self, peer: _Peer) -> None:
-        while True:
-            evt = parse_monitor_message(await peer.monitor.recv_multipart())
-            kind = evt["event"]
-            if kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                peer.connected.set()
-            elif kind == zmq.EVENT_DISCONNECTED and peer.connected.is_set():
-                self._mark_broken(peer, TransportBroken(f"peer {peer.dst} disconnected (exited, killed or "
-                                                        "missed heartbeats)"))
-                return
-            elif kind == zmq.EVENT_MONITOR_STOPPED:
-                return
+        try:
+            while True:
+                evt = parse_monitor_message(await peer.monitor.recv_multipart())
+                kind = evt["event"]
+                if kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                    peer.connected.set()
+                elif kind == zmq.EVENT_DISCONNECTED and peer.connected.is_set():
+                    self._mark_broken(peer, TransportBroken(f"peer {peer.dst} disconnected (exited, killed or "
+                                                            "missed heartbeats)"))
+                    return
+                elif kind == zmq.EVENT_MONITOR_STOPPED:
+                    return
+        finally:
+            if not peer.monitor.closed:
+                peer.monitor.close(linger=0)
 
     def _mark_broken(self, peer: _Peer, err: TransportBroken) -> None:
         if peer.broken is not None:
             return
         peer.broken = err
         peer.connected.set()  # wake a first send waiting for the handshake
-        log.warning("zmq peer %s is broken: %s", peer.dst, err)
+        # Info, not warning: a peer that shut down cleanly also ends here; callers judge.
+        log.info("zmq peer %s is broken: %s", peer.dst, err)
         # Dropping queued messages also releases any zero-copy frames a send is tracking.
         peer.sock.close(linger=0)
         if peer.pool is not None:

@@ -7,6 +7,9 @@ from __future__ import annotations
 import asyncio
 import gc
 import os
+import signal
+import subprocess
+import sys
 import tempfile
 import uuid
 
@@ -14,11 +17,13 @@ import pytest
 import torch
 import zmq
 
-from digenrl.errors import ConfigError
+from digenrl.errors import ConfigError, TransportBroken
 from digenrl.transport import make_transport
 from digenrl.transport._shm import SHM_DIR
 from digenrl.transport.codec import PROTOCOL_VERSION
 from digenrl.transport.zmq import ZmqTransport
+
+from tests.transport.test_conformance import _CHILD
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -145,6 +150,26 @@ async def test_gc_and_failed_construction_release_sockets() -> None:
             ZmqTransport(first.address)  # address in use: the half-built endpoint cleans up
     finally:
         await first.aclose()
+
+
+async def test_hung_peer_is_detected_by_heartbeats() -> None:
+    """A peer that stops answering (SIGSTOP: the kernel keeps its socket open) misses ZMTP pings."""
+    proc = subprocess.Popen([sys.executable, "-c", _CHILD, "tcp://127.0.0.1:0"], stdout=subprocess.PIPE, text=True)
+    t = make_transport("zmq", "tcp://127.0.0.1:0", heartbeat_s=0.1, heartbeat_timeout_s=0.5)
+    try:
+        address = (await asyncio.to_thread(proc.stdout.readline)).split()[1]  # type: ignore[union-attr]
+        await t.send(address, {"op": "hello"})
+        broken: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        t.add_peer_listener(lambda peer, err: broken.done() or broken.set_result(peer))
+        proc.send_signal(signal.SIGSTOP)
+        assert await asyncio.wait_for(broken, 10) == address
+        with pytest.raises(TransportBroken, match="missed heartbeats"):
+            await t.send(address, {"op": "again"})
+    finally:
+        proc.kill()
+        proc.wait()
+        proc.stdout.close()  # type: ignore[union-attr]
+        await t.aclose()
 
 
 async def test_cuda_ipc_stages_cpu_tensors_with_warning_and_counter() -> None:

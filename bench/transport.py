@@ -1,0 +1,270 @@
+"""Transport benchmark: round-trip latency and bandwidth per transport, beside memcpy.
+
+    python bench/transport.py                       # all transports, rich table
+    python bench/transport.py --json out.json       # also write {"rows": [...]}
+    python bench/transport.py --transports zmq-ipc,zmq-tcp --sizes-mib 16,64
+
+For each transport (inproc, zmq-ipc, zmq-tcp, torchdist-gloo): the round trip of a header-only
+message and of a 16 KiB latent ([4,16,8,8] fp32), then bandwidth at 1, 16 and 64 MiB. Bandwidth is
+one message of that size to a sink that acknowledges it (time = send + delivery + ack), and beside
+each row an in-process memcpy (``dst.copy_(src)`` into a warm buffer) of the same bytes measured in
+the same run; ratio = gbps / memcpy_gbps. zmq and gloo use two processes (echo/sink in a child);
+inproc runs both ends on one event loop. Medians over the iterations; 1 torch thread per process.
+zmq runs with its defaults, so on one host the large tensors take the shared-memory lane
+(``--no-shm`` measures the chunked-frame path instead).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from typing import Any
+
+import torch
+
+LATENT = (4, 16, 8, 8)
+
+
+# ------------------------------------------------------------------------------------------- child
+
+
+async def zmq_child(address: str, shm: bool) -> None:
+    from digenrl.transport.zmq import ZmqTransport
+
+    t = ZmqTransport(address, shm="auto" if shm else False)
+    print("READY", flush=True)
+    try:
+        while True:
+            msg = await t.recv()
+            op = msg.header["op"]
+            if op == "stop":
+                break
+            if op == "echo":
+                await t.send(msg.src, msg.header, msg.payload)
+            else:  # sink: let go of the payload, then acknowledge
+                src = msg.src
+                del msg
+                await t.send(src, {"op": "ack"})
+    finally:
+        await t.aclose()
+
+
+def gloo_child(port: str) -> None:
+    import torch.distributed as dist
+
+    from digenrl.transport.torchdist import broadcast_state_dict, recv_tensors, send_tensors
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=1, world_size=2)
+    cmd = torch.zeros(3, dtype=torch.int64)
+    while True:
+        dist.broadcast(cmd, 0)
+        op, _size, iters = (int(x) for x in cmd)
+        if op == 0:
+            break
+        for _ in range(iters):
+            if op == 1:  # ping-pong
+                send_tensors(recv_tensors(0), 0)
+            else:  # broadcast sink + ack
+                broadcast_state_dict(None, 0)
+                dist.send(torch.zeros(1), 0)
+    dist.destroy_process_group()
+
+
+# ------------------------------------------------------------------------------------------ parent
+
+
+def memcpy_gbps(nbytes: int, iters: int) -> float:
+    src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - t0)
+    return nbytes / statistics.median(times) / 1e9
+
+
+def row(name: str, kind: str, nbytes: int, seconds: float, memcpy: float | None) -> dict[str, Any]:
+    gbps = nbytes / seconds / 1e9 if nbytes else 0.0
+    return {"transport": name, "kind": kind, "size_bytes": nbytes, "seconds": seconds, "gbps": gbps,
+            "memcpy_gbps": memcpy, "ratio": gbps / memcpy if memcpy else None}
+
+
+async def measure_pair(name: str, send: Any, sizes: list[int], iters: int) -> list[dict[str, Any]]:
+    """``send(op, payload)`` performs one round: a message and its echo or ack."""
+    rows = []
+    latent = torch.randn(LATENT)
+    for label, payload in (("rtt-header", None), ("rtt-latent", {"x": latent})):
+        for _ in range(20):
+            await send("echo", payload)
+        times = []
+        for _ in range(iters):
+            t0 = time.perf_counter()
+            await send("echo", payload)
+            times.append(time.perf_counter() - t0)
+        nbytes = 0 if payload is None else latent.numel() * 4
+        rows.append(row(name, label, nbytes, statistics.median(times), memcpy_gbps(nbytes, 50) if nbytes else None))
+    for size in sizes:
+        blob = torch.randint(0, 255, (size,), dtype=torch.uint8)
+        n = max(4, min(30, (256 << 20) // size))
+        await send("sink", {"x": blob})
+        times = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            await send("sink", {"x": blob})
+            times.append(time.perf_counter() - t0)
+        rows.append(row(name, "bandwidth", size, statistics.median(times), memcpy_gbps(size, n)))
+    return rows
+
+
+async def bench_inproc(sizes: list[int], iters: int) -> list[dict[str, Any]]:
+    from digenrl.transport.inproc import InprocTransport
+
+    a, b = InprocTransport(), InprocTransport()
+
+    async def send(op: str, payload: Any) -> None:
+        await a.send(b.address, {"op": op}, payload)
+        msg = await b.recv()
+        if op == "echo":
+            await b.send(a.address, msg.header, msg.payload)
+        else:
+            del msg
+            await b.send(a.address, {"op": "ack"})
+        await a.recv()
+
+    try:
+        return await measure_pair("inproc", send, sizes, iters)
+    finally:
+        await a.aclose()
+        await b.aclose()
+
+
+async def bench_zmq(name: str, address: str, sizes: list[int], iters: int, shm: bool) -> list[dict[str, Any]]:
+    from digenrl.transport.zmq import ZmqTransport
+
+    child = subprocess.Popen([sys.executable, __file__, "--child", "zmq", address, str(int(shm))],
+                             stdout=subprocess.PIPE, text=True)
+    assert child.stdout is not None and child.stdout.readline().startswith("READY")
+    local = "tcp://127.0.0.1:0" if address.startswith("tcp") else address.replace(".sock", "-p.sock")
+    a = ZmqTransport(local, shm="auto" if shm else False)
+
+    async def send(op: str, payload: Any) -> None:
+        await a.send(address, {"op": op}, payload)
+        await a.recv()
+
+    try:
+        return await measure_pair(name, send, sizes, iters)
+    finally:
+        await a.send(address, {"op": "stop"})
+        await a.aclose()
+        child.wait(30)
+
+
+def bench_gloo(sizes: list[int], iters: int) -> list[dict[str, Any]]:
+    import torch.distributed as dist
+
+    from digenrl.transport.torchdist import broadcast_state_dict, recv_tensors, send_tensors
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    child = subprocess.Popen([sys.executable, __file__, "--child", "gloo", port])
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=2)
+    rows = []
+
+    def run(op: int, size: int, n: int, body: Any) -> float:
+        dist.broadcast(torch.tensor([op, size, n], dtype=torch.int64), 0)
+        times = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            body()
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times[len(times) // 5:])
+
+    try:
+        latent = torch.randn(LATENT)
+        for label, payload in (("rtt-header", {"h": torch.zeros(1)}), ("rtt-latent", {"x": latent})):
+            sec = run(1, 0, iters, lambda p=payload: (send_tensors(p, 1), recv_tensors(1)))
+            nbytes = 0 if label == "rtt-header" else latent.numel() * 4
+            rows.append(row("torchdist-gloo", label, nbytes, sec, memcpy_gbps(nbytes, 50) if nbytes else None))
+        for size in sizes:
+            blob = {"x": torch.randint(0, 255, (size,), dtype=torch.uint8)}
+            n = max(5, min(30, (256 << 20) // size))
+            sec = run(2, size, n, lambda b=blob: (broadcast_state_dict(b, 0), dist.recv(torch.zeros(1), 1)))
+            rows.append(row("torchdist-gloo", "bandwidth", size, sec, memcpy_gbps(size, n)))
+        dist.broadcast(torch.zeros(3, dtype=torch.int64), 0)
+    finally:
+        dist.destroy_process_group()
+        child.wait(30)
+    return rows
+
+
+def print_table(rows: list[dict[str, Any]]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"transport benchmark ({os.cpu_count()} cores, medians)")
+    for col in ("transport", "what", "size", "time", "GB/s", "memcpy GB/s", "ratio"):
+        table.add_column(col, justify="left" if col in ("transport", "what") else "right")
+    for r in rows:
+        size = r["size_bytes"]
+        human = "0" if not size else (f"{size >> 20} MiB" if size >= 1 << 20 else f"{size >> 10} KiB")
+        t = r["seconds"]
+        table.add_row(r["transport"], r["kind"], human, f"{t * 1e6:.0f} µs" if t < 1e-3 else f"{t * 1e3:.2f} ms",
+                      f"{r['gbps']:.2f}" if size else "-", f"{r['memcpy_gbps']:.2f}" if r["memcpy_gbps"] else "-",
+                      f"{r['ratio']:.2f}" if r["ratio"] is not None else "-")
+    Console().print(table)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--transports", default="inproc,zmq-ipc,zmq-tcp,torchdist-gloo")
+    p.add_argument("--sizes-mib", default="1,16,64")
+    p.add_argument("--iters", type=int, default=200, help="round trips per latency row")
+    p.add_argument("--no-shm", action="store_true", help="zmq: chunked frames instead of shared memory")
+    p.add_argument("--json", default=None, help="write {'rows': [...]} here")
+    p.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    if args.child:
+        if args.child[0] == "zmq":
+            asyncio.run(zmq_child(args.child[1], args.child[2] == "1"))
+        else:
+            gloo_child(args.child[1])
+        return
+    sizes = [int(float(s) * (1 << 20)) for s in args.sizes_mib.split(",")]
+    tmp = tempfile.gettempdir()
+    rows: list[dict[str, Any]] = []
+    for name in args.transports.split(","):
+        if name == "inproc":
+            rows += asyncio.run(bench_inproc(sizes, args.iters))
+        elif name == "zmq-ipc":
+            address = f"ipc://{tmp}/digenrl-bench-{uuid.uuid4().hex[:8]}.sock"
+            rows += asyncio.run(bench_zmq(name, address, sizes, args.iters, not args.no_shm))
+        elif name == "zmq-tcp":
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                address = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+            rows += asyncio.run(bench_zmq(name, address, sizes, args.iters, not args.no_shm))
+        elif name == "torchdist-gloo":
+            rows += bench_gloo(sizes, args.iters)
+        else:
+            raise SystemExit(f"unknown transport {name!r}")
+    print_table(rows)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"rows": rows, "argv": sys.argv[1:], "no_shm": args.no_shm}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
