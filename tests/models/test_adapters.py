@@ -7,6 +7,7 @@ import torch
 
 from digenrl.errors import ConfigError
 from digenrl.models import MODEL_NAMES, GeneratorModel, load_model
+from tests.conftest import gpu_test
 
 PROMPTS = ["a red cat", "two dogs playing in the snow"]
 TINY_LATENTS = {
@@ -185,3 +186,52 @@ def test_bf16_forward_close_to_fp32():
     assert v16.dtype == torch.float32 and torch.isfinite(v16).all()
     rel = (v16 - v32).norm() / v32.norm()
     assert rel < 0.05, rel
+
+
+@pytest.mark.parametrize("name", MODEL_NAMES)
+def test_small_preset_runs(name):
+    m = load_model(name, "small", seed=0)
+    cond = m.encode_prompts(PROMPTS[:1])
+    x = m.prepare_latents(1)
+    with torch.no_grad():
+        v = m.velocity(x, torch.tensor([0.5]), cond)
+    assert v.shape == (1, *m.latent_shape) and torch.isfinite(v).all()
+    assert sum(p.numel() for p in m.transformer.parameters()) > 3 * sum(
+        p.numel() for p in tiny(name).transformer.parameters())
+
+
+@pytest.mark.parametrize("name", MODEL_NAMES)
+def test_default_lora_targets_start_at_reference(name):
+    from digenrl.models.lora import DEFAULT_LORA_TARGETS, apply_lora, reference
+
+    m = load_model(name, "tiny", seed=0)
+    cond = m.encode_prompts(PROMPTS)
+    x = m.prepare_latents(2, torch.Generator().manual_seed(7))
+    sigma = torch.tensor([0.9, 0.4])
+    with torch.no_grad():
+        before = m.velocity(x, sigma, cond)
+    params = apply_lora(m, rank=2)
+    wrapped = {n.rsplit(".lora_", 1)[0] for n, _ in m.transformer.named_parameters() if "lora_" in n}
+    assert wrapped and all(any(w.endswith(t) for t in DEFAULT_LORA_TARGETS[name]) for w in wrapped)
+    with torch.no_grad():
+        torch.testing.assert_close(m.velocity(x, sigma, cond), before, rtol=0, atol=0)
+        for p in params:
+            p.add_(0.1)
+        assert (m.velocity(x, sigma, cond) - before).abs().max() > 1e-4
+    with reference(m):
+        torch.testing.assert_close(m.velocity(x, sigma, cond), before, rtol=0, atol=0)
+
+
+@gpu_test()
+@pytest.mark.parametrize("name", MODEL_NAMES)
+def test_cuda_bf16_close_to_cpu_fp32(name):
+    cpu = tiny(name)
+    gpu = load_model(name, "tiny", seed=0, device="cuda", dtype=torch.bfloat16)
+    x = cpu.prepare_latents(2, torch.Generator().manual_seed(8))
+    sigma = torch.tensor([0.8, 0.3])
+    with torch.no_grad():
+        ref = cpu.velocity(x, sigma, cpu.encode_prompts(PROMPTS))
+        out = gpu.velocity(x.cuda(), sigma.cuda(), gpu.encode_prompts(PROMPTS)).cpu()
+    assert out.dtype == torch.float32 and torch.isfinite(out).all()
+    assert (out - ref).norm() / ref.norm() < 0.05
+    assert gpu.decode(x.cuda()).shape[0] == 2
