@@ -1,9 +1,84 @@
-"""`digenrl bench` (placeholder until its issue lands)."""
+"""`digenrl bench`: benchmarks. `bench bubbles` runs schedules side by side in the simulator."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import typer
+
+bench_app = typer.Typer(
+    name="bench",
+    help="Benchmarks: simulated schedules side by side.",
+    no_args_is_help=True,
+    add_completion=False,
+)
+
+_EPILOG = """Examples:
+
+  digenrl bench bubbles                                   # paper scenarios x all schedules
+
+  digenrl bench bubbles --scenario qwen-16 --out runs/bubbles
+
+  digenrl bench bubbles --scenario scale-1024 --schedule colocated --schedule async1 --batches 100
+
+  digenrl bench bubbles --list
+"""
+
+
+@bench_app.command("bubbles", epilog=_EPILOG)
+def bubbles(
+    scenario: list[str] = typer.Option(None, "--scenario", help="Scenario name (repeatable); default: paper + hetero."),
+    schedule: list[str] = typer.Option(None, "--schedule", help="Schedule name (repeatable); default: all."),
+    batches: int = typer.Option(20, "--batches", min=2, help="Optimizer steps per simulated run."),
+    out: Path = typer.Option(None, "--out", help="Write bubbles.json, trace-*.json and gantt-*.png here."),
+    list_: bool = typer.Option(False, "--list", help="List scenarios and schedules, then exit."),
+) -> None:
+    """Simulate scenarios x schedules: samples/s, speedup, bubble ratios, staleness, sync share."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from digenrl.errors import ConfigError
+    from digenrl.schedule import SCHEDULES
+    from digenrl.sim.bench import run_bubbles
+    from digenrl.sim.profiles import profile
+    from digenrl.sim.scenarios import SCENARIOS
+
+    console = Console(width=max(Console().width, 150))
+    if list_:
+        table = Table(title="scenarios")
+        for col in ("name", "kind", "model", "testbed", "batch (prompts x G)", "steps / trained"):
+            table.add_column(col)
+        for s in SCENARIOS.values():
+            table.add_row(s.name, s.kind, profile(s.model).name, s.testbed, f"{s.prompts} x {s.group_size}",
+                          f"{s.num_steps} / {s.trained_steps}")
+        console.print(table)
+        console.print("schedules: " + ", ".join(SCHEDULES))
+        return
+    try:
+        report = run_bubbles(scenario or None, schedule or None, batches, out)
+    except ConfigError as exc:
+        console.print(f"[red]error:[/red] {exc}")
+        raise typer.Exit(2) from exc
+    table = Table(title=f"digenrl bench bubbles ({batches} batches, steady window: warm-up batch excluded)")
+    for col in ("scenario", "split R/T", "schedule", "samples/s", "speedup", "bound", "bubble roll", "bubble train",
+                "bubble all", "stale", "sync %", "switch %"):
+        table.add_column(col, justify="right" if col not in ("scenario", "schedule") else "left")
+    for r in report.rows:
+        split = r["split"]
+        split_s = f"{split['hybrid']}H" if split["hybrid"] else f"{split['rollout']}/{split['trainer']}"
+        b = r["bubble_ratio"]
+        bound = r["speedup_bound"]
+        table.add_row(r["scenario"], split_s, r["schedule"], f"{r['samples_per_s']:.3f}", f"{r['speedup_vs_colocated']:.2f}x",
+                      f"{bound:.2f}x" if bound else "-", f"{b['rollout']:.1%}", f"{b['trainer']:.1%}", f"{b['overall']:.1%}",
+                      str(r["max_staleness"]), f"{r['weight_sync_share']:.2%}", f"{r['switch_share']:.2%}")
+    console.print(table)
+    cal = report.calibration
+    console.print(f"cost model fixed from the veRL-Omni colocated calibration: mfu_rollout={cal['mfu_rollout']:.3f}, "
+                  f"mfu_train={cal['mfu_train']:.3f}")
+    for path in report.files[:1]:
+        console.print(f"wrote {path} and {len(report.files) - 1} trace/Gantt files")
 
 
 def register(app: typer.Typer) -> None:
     """Add this module's commands to `app`."""
+    app.add_typer(bench_app, name="bench")

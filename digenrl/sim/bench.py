@@ -1,0 +1,148 @@
+"""`digenrl bench bubbles`: scenarios x schedules side by side in the simulator, with artefacts.
+
+``run_bubbles`` simulates every selected (scenario, schedule) pair with the calibrated, fixed cost
+model, and with ``out`` writes ``bubbles.json``, one Chrome trace per pair and one Gantt PNG per
+scenario. Rows use the steady window (warm-up batch excluded); the ``full`` block has ``[0, wall]``.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from digenrl.errors import ConfigError
+from digenrl.schedule import SCHEDULES, make_schedule
+from digenrl.schedule.base import Role
+from digenrl.sim.calibration import calibrate
+from digenrl.sim.engine import SimResult, simulate
+from digenrl.sim.metrics import summarize
+from digenrl.sim.profiles import profile
+from digenrl.sim.scenarios import DEFAULT_BATCHES, SCENARIOS, Scenario, placement, scenario
+from digenrl.sim.trace import write_gantt, write_trace
+
+__all__ = ["BubbleReport", "run_bubbles", "simulate_pair", "DEFAULT_SCENARIOS"]
+
+# The default selection: the paper scenarios and the heterogeneous testbed (the scaling sweep is
+# selected by name, e.g. ``--scenario scale-1024``).
+DEFAULT_SCENARIOS: tuple[str, ...] = tuple(s.name for s in SCENARIOS.values() if s.kind != "scaling")
+
+
+@dataclass(slots=True)
+class BubbleReport:
+    rows: list[dict[str, Any]]
+    calibration: dict[str, Any]
+    files: list[Path] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"rows": self.rows, "calibration": self.calibration,
+                "definitions": {
+                    "window": "steady = from the end of batch 0's optimizer step to the last one (warm-up "
+                              "excluded); full = [0, wall]",
+                    "bubble": "1 - (ROLLOUT+REWARD+TRAIN+OPTIM time) / window, per device; per role = mean",
+                    "weight_sync_share": "PUBLISH device-seconds / (devices x window)",
+                    "speedup_bound": "colocated seconds per batch / (rollout + TSP-packed training device-seconds "
+                                     "per batch / devices): what a bubble-free schedule could reach",
+                }}
+
+
+def simulate_pair(sc: Scenario, schedule: str, num_batches: int) -> SimResult:
+    """Simulate one scenario under one schedule with the calibrated cost model."""
+    devices, cost = placement(sc, colocated=schedule == "colocated")
+    workload = sc.workload(num_batches)
+    return simulate(make_schedule(schedule, devices, workload, cost), devices, workload, cost)
+
+
+def _bound(sc: Scenario, colocated_sps: float) -> float | None:
+    if len(sc.pools) != 1 or colocated_sps <= 0:
+        return None
+    devices, cost = placement(sc, colocated=True)
+    spec = cost.specs[devices[0].name]
+    w = sc.workload(1)
+    roll, train = cost.batch_work(w.samples_per_batch, w.prompts_per_batch, w.num_steps, w.rows_per_batch, spec)
+    ideal_sps = w.samples_per_batch / ((roll + train * (1 - cost.params.tsp_train_saving)) / len(devices))
+    return ideal_sps / colocated_sps
+
+
+def _row(sc: Scenario, res: SimResult, sim_s: float) -> dict[str, Any]:
+    st = summarize(res)
+    s, f = st.steady, st.full
+    return {
+        "scenario": sc.name, "model": profile(sc.model).name, "devices": sc.num_devices, "testbed": sc.testbed,
+        "schedule": res.schedule,
+        "split": {"rollout": sum(d.role is Role.ROLLOUT for d in res.devices),
+                  "trainer": sum(d.role is Role.TRAINER for d in res.devices),
+                  "hybrid": sum(d.role is Role.HYBRID for d in res.devices)},
+        "samples_per_s": s.samples_per_s, "speedup_vs_colocated": None,
+        "bubble_ratio": {"rollout": s.bubble_rollout, "trainer": s.bubble_trainer, "overall": s.bubble_overall},
+        "max_staleness": st.max_staleness,
+        "weight_sync_share": s.weight_sync_share, "switch_share": s.switch_share,
+        "full": {"samples_per_s": f.samples_per_s,
+                 "bubble_ratio": {"rollout": f.bubble_rollout, "trainer": f.bubble_trainer, "overall": f.bubble_overall}},
+        "num_batches": res.workload.num_batches, "samples_scored": st.samples_scored, "wall_s": res.wall,
+        "tokens": res.tokens, "sim_seconds": sim_s,
+    }
+
+
+def run_bubbles(scenarios: list[str] | None = None, schedules: list[str] | None = None,
+                num_batches: int = DEFAULT_BATCHES, out: Path | None = None, gantt_batches: int = 4) -> BubbleReport:
+    """Simulate scenarios x schedules and (with ``out``) write bubbles.json, traces and Gantt PNGs.
+
+    Args:
+        scenarios: scenario names (default: the paper scenarios and the heterogeneous testbed).
+        schedules: schedule names (default: all, colocated first).
+        num_batches: optimizer steps per run.
+        out: directory for the artefacts; created if missing.
+        gantt_batches: the Gantt shows the first this many batches of every schedule.
+
+    Raises:
+        ConfigError: an unknown scenario or schedule name, or ``num_batches < 2``.
+    """
+    names = list(scenarios or DEFAULT_SCENARIOS)
+    chosen = list(schedules or SCHEDULES)
+    for s in chosen:
+        if s not in SCHEDULES:
+            raise ConfigError(f"unknown schedule {s!r}; known: {', '.join(SCHEDULES)}")
+    if num_batches < 2:
+        raise ConfigError(f"num_batches={num_batches}: needs at least 2 (the first batch is the warm-up window)")
+    cal = calibrate()
+    report = BubbleReport([], {"mfu_rollout": cal.params.mfu_rollout, "mfu_train": cal.params.mfu_train,
+                               "step_breakdown_s": {"generation": cal.generation, "reward": cal.reward,
+                                                    "switches": cal.switches, "optim": cal.optim, "train": cal.train}})
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+    for name in names:
+        sc = scenario(name)
+        results: list[SimResult] = []
+        base_sps = None
+        rows = []
+        for sched in chosen:
+            start = time.perf_counter()
+            res = simulate_pair(sc, sched, num_batches)
+            rows.append(_row(sc, res, time.perf_counter() - start))
+            results.append(res)
+            if out is not None:
+                report.files.append(write_trace(res, out / f"trace-{sc.name}-{sched}.json"))
+        base = next((r for r in rows if r["schedule"] == "colocated"), None)
+        if base is None:  # speedups still need the baseline
+            res = simulate_pair(sc, "colocated", num_batches)
+            base = _row(sc, res, 0.0)
+        base_sps = base["samples_per_s"]
+        bound = _bound(sc, base_sps)
+        for r in rows:
+            r["speedup_vs_colocated"] = r["samples_per_s"] / base_sps if base_sps else None
+            r["speedup_bound"] = bound
+        report.rows.extend(rows)
+        if out is not None:
+            k = min(gantt_batches, num_batches) - 1
+            until = max(res.optim_end.get(k, res.wall) for res in results)
+            report.files.append(write_gantt(results, out / f"gantt-{sc.name}.png",
+                                            f"{sc.name}: {profile(sc.model).name} on {sc.testbed}, first {k + 1} batches",
+                                            until=until))
+    if out is not None:
+        path = out / "bubbles.json"
+        path.write_text(json.dumps(report.to_json(), indent=1))
+        report.files.insert(0, path)
+    return report
