@@ -9,8 +9,8 @@
 
 Actor classes travel by import path (``module:qualname``), never pickled. A class defined in the
 script being run (``__main__``) travels with the script's path and is loaded in the worker as
-module ``__mp_main__`` (the multiprocessing convention), so guard scripts with
-``if __name__ == "__main__":``.
+module ``__digenrl_main__`` (as multiprocessing's spawn does with ``__mp_main__``), so guard
+scripts with ``if __name__ == "__main__":``.
 """
 
 from __future__ import annotations
@@ -78,21 +78,26 @@ def resolve_class(spec: Any) -> type[Actor]:
     return obj
 
 
+_MAIN = "__digenrl_main__"
+
+
 def _load_main(path: Any) -> Any:
-    module = sys.modules.get("__mp_main__")
-    if module is not None:
+    module = sys.modules.get(_MAIN)
+    if module is not None and getattr(module, "__file__", None) == path:
         return module
     if not isinstance(path, str) or not os.path.isfile(path):
         raise ImportError(f"the driver's script {path!r} is not readable on this host")
-    spec = importlib.util.spec_from_file_location("__mp_main__", path)
+    if module is not None:
+        raise ImportError(f"this worker already loaded the script {module.__file__!r}; cannot also load {path!r}")
+    spec = importlib.util.spec_from_file_location(_MAIN, path)
     if spec is None or spec.loader is None:
         raise ImportError(f"cannot load the driver's script {path!r}")
     module = importlib.util.module_from_spec(spec)
-    sys.modules["__mp_main__"] = module
+    sys.modules[_MAIN] = module
     try:
         spec.loader.exec_module(module)
     except BaseException:
-        del sys.modules["__mp_main__"]
+        del sys.modules[_MAIN]
         raise
     return module
 

@@ -38,7 +38,7 @@ from digenrl.actors import _agent, _wire
 from digenrl.actors._node import Node
 from digenrl.actors.base import Actor, ActorRef, current_node
 from digenrl.actors.process import ChildProcess, describe_exit
-from digenrl.errors import ActorDied, DigenrlError, RemoteError
+from digenrl.errors import ActorDied, ConfigError, DigenrlError, RemoteError
 from digenrl.transport import make_transport
 
 __all__ = ["ActorSystem", "Worker"]
@@ -128,9 +128,15 @@ class ActorSystem:
         Raises:
             RuntimeError: already started.
             ValueError: bad transport kind or address.
+            ConfigError: a wildcard bind address (0.0.0.0), which peers cannot reply to.
         """
         if self._state != "new":
             raise RuntimeError(f"ActorSystem is {self._state}; start it once")
+        if self._address is not None and any(w in self._address for w in ("://0.0.0.0:", "://*:", "://[::]:")):
+            raise ConfigError(
+                f"ActorSystem address {self._address!r} is a wildcard; bind one concrete interface "
+                "(e.g. tcp://10.0.0.1:5555): it is also the address peers send their replies to"
+            )
         transport = make_transport(self.transport_kind, self._address, **self._transport_options)
         self.node = Node(transport, name=self.name)
         self.node.start()

@@ -45,7 +45,7 @@ async def run_worker(
     parent_timeout: float = 30.0,
     join_timeout: float = 60.0,
     shutdown_timeout: float = 10.0,
-) -> None:
+) -> str:
     """Join the system at ``join`` and host actors for it until it lets go (see the module docstring).
 
     Args:
@@ -58,6 +58,10 @@ async def run_worker(
         parent_timeout: exit when the system has been silent this long.
         join_timeout: give up when the system does not answer the join in time.
         shutdown_timeout: drain deadline when exiting on a signal or on silence.
+
+    Returns:
+        Why it stopped: ``"shutdown"`` (the system let go), ``"signal"`` or ``"orphaned"``
+        (the system went silent).
 
     Raises:
         TimeoutError: the system did not answer the join.
@@ -77,16 +81,24 @@ async def run_worker(
             config = await registry.call("join", node.address, name, os.getpid(), socket.gethostname(), token)
         parent_timeout = float(config.get("heartbeat_timeout", parent_timeout))
         log.info("worker %s: joined %s, serving at %s", name, join, node.address)
-        await _serve(node, join, stop, parent_timeout)
+        return await _serve(node, join, stop, parent_timeout)
     finally:
         await _close(node, name, shutdown_timeout)
 
 
-async def _serve(node: Node, join: str, stop: asyncio.Event, parent_timeout: float) -> None:
+async def _serve(node: Node, join: str, stop: asyncio.Event, parent_timeout: float) -> str:
     loop = asyncio.get_running_loop()
+    reason = "shutdown"
+
+    def on_signal(sig: signal.Signals) -> None:
+        nonlocal reason
+        reason = "signal"
+        log.info("[shutdown] worker %s: step=signal %s", node.name, sig.name)
+        stop.set()
+
     for sig in (signal.SIGTERM, signal.SIGINT):
         with contextlib.suppress(NotImplementedError, RuntimeError):  # not the main thread / platform
-            loop.add_signal_handler(sig, stop.set)
+            loop.add_signal_handler(sig, on_signal, sig)
     try:
         node.last_heard[join] = time.monotonic()
         check = min(1.0, parent_timeout / 4)
@@ -96,11 +108,13 @@ async def _serve(node: Node, join: str, stop: asyncio.Event, parent_timeout: flo
             silent = time.monotonic() - node.last_heard.get(join, 0.0)
             if not stop.is_set() and (silent > parent_timeout or join in node.dead):
                 log.error("[shutdown] worker %s: step=orphaned system silent for %.1fs", node.name, silent)
+                reason = "orphaned"
                 stop.set()
     finally:
         for sig in (signal.SIGTERM, signal.SIGINT):
             with contextlib.suppress(NotImplementedError, RuntimeError):
                 loop.remove_signal_handler(sig)
+    return reason
 
 
 async def _close(node: Node, name: str, timeout: float) -> None:

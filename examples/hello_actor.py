@@ -1,0 +1,27 @@
+"""A user-defined actor called across two processes. Run: python examples/hello_actor.py"""
+
+import asyncio
+import os
+
+from digenrl.actors import Actor, ActorSystem, endpoint
+
+
+class Greeter(Actor):
+    async def setup(self) -> None:
+        self.greeted = 0
+
+    @endpoint
+    async def greet(self, name: str) -> str:
+        self.greeted += 1
+        return f"hello {name} #{self.greeted} from pid {os.getpid()}"
+
+
+async def main() -> None:
+    async with ActorSystem() as system:
+        greeter = await system.spawn(Greeter, name="greeter", process=True)
+        print(await greeter.greet.call("world"), f"(driver pid {os.getpid()})")
+        print(await greeter.greet.call("again"))
+
+
+if __name__ == "__main__":
+    asyncio.run(main())
