@@ -187,7 +187,7 @@ class ColocatedSchedule(Schedule):
         while self._idle and (batch.train_queue if training else batch.unstarted):
             name = next(iter(self._idle))
             if training:
-                limit = round(self.sizes.train_pack * self._speed.relative_speed(name))
+                limit = round(self.sizes.train_pack * self._speed.relative_speed(name, TokenKind.TRAIN))
                 out.append(self._train_token(name, batch, batch.carve(limit, whole_samples=not self.opt.tsp)))
             else:
                 out.append(self._rollout_token(name, batch))
@@ -200,7 +200,7 @@ class ColocatedSchedule(Schedule):
             out.append(self._token(TokenKind.OPTIM, group[0], policy_version=self.version, group=group))
 
     def _rollout_token(self, name: str, batch: BatchState) -> Token:
-        cap = round(self.sizes.rollout_batch * self._speed.relative_speed(name))
+        cap = round(self.sizes.rollout_batch * self._speed.relative_speed(name, TokenKind.ROLLOUT))
         chosen = []
         samples = 0
         while batch.unstarted and (not chosen or samples + batch.frags[batch.unstarted[0]].geo.num_samples <= cap):
@@ -290,6 +290,7 @@ class ColocatedSchedule(Schedule):
             return
         self._hybrids.pop(name, None)
         self._phase.pop(name, None)
+        self._speed.remove(name)
         self._kicked.pop(name, None)
         self._rewards.pop(name, None)
         self._idle.pop(name, None)

@@ -61,63 +61,100 @@ class UniformCost:
 _PROBE_FRAGMENT = Fragment(batch=0, index=0, prompt_start=0, prompt_end=1, member_start=0, member_end=1, group_size=1)
 
 
+def _group(kind: TokenKind) -> int:
+    """Speed is learned separately for generation, training and everything else."""
+    return 0 if kind is TokenKind.ROLLOUT else 1 if kind is TokenKind.TRAIN else 2
+
+
 class SpeedTracker:
     """Per-device throughput for placement: predicted units per second, corrected online.
 
     ``rollout_rate(name)`` is sample-steps per second and ``train_rate(name)`` is rows per second,
     from the cost estimate's prediction of a probe token (cached per device) divided by an
-    exponential moving average of observed/predicted seconds.
+    exponential moving average of observed/predicted seconds, kept apart for ROLLOUT, TRAIN and
+    other tokens (a device's generation and training speeds need not scale together).
     """
 
     def __init__(self, cost: CostEstimate, alpha: float = 0.3) -> None:
         self._cost = cost
         self._alpha = alpha
         self._devices: dict[str, Device] = {}
-        self._factor: dict[str, float] = {}  # observed / predicted, EMA
-        self._rates: dict[tuple[str, bool], float] = {}
+        self._factor: dict[tuple[str, int], float] = {}  # (device, group) -> observed / predicted, EMA
+        self._rates: dict[tuple[str, int], float] = {}
+        # Sum and count of live devices' speeds per (role, group), kept incrementally so that
+        # relative_speed is O(1): token sizes follow speed relative to the device's peers.
+        self._sum: dict[tuple[object, int], float] = {}
+        self._count: dict[object, int] = {}
 
     def add(self, device: Device) -> None:
+        if device.name in self._devices:
+            self.remove(device.name)
         self._devices[device.name] = device
-        self._factor.setdefault(device.name, 1.0)
+        role = device.role
+        self._count[role] = self._count.get(role, 0) + 1
+        for group in range(3):
+            self._factor[(device.name, group)] = 1.0
+            self._rates.pop((device.name, group), None)
+            self._sum[(role, group)] = self._sum.get((role, group), 0.0) + device.speed
+
+    def remove(self, name: str) -> None:
+        """Forget a dead device's speed (it no longer counts in its peers' mean)."""
+        device = self._devices.pop(name, None)
+        if device is None:
+            return
+        self._count[device.role] -= 1
+        for group in range(3):
+            self._sum[(device.role, group)] -= self._speed_of(device, group)
+
+    def _speed_of(self, device: Device, group: int) -> float:
+        return device.speed / self._factor[(device.name, group)]
 
     def seconds(self, token: Token, name: str) -> float:
         """Predicted seconds of ``token`` on device ``name``, corrected by what was observed."""
-        return self._cost.seconds(token, self._devices[name]) * self._factor[name]
+        return self._cost.seconds(token, self._devices[name]) * self._factor[(name, _group(token.kind))]
 
     def observe(self, token: Token, observed: float) -> None:
-        name = token.device
-        if name not in self._devices or observed <= 0:
+        device = self._devices.get(token.device)
+        if device is None or observed <= 0:
             return
-        predicted = self._cost.seconds(token, self._devices[name])
+        predicted = self._cost.seconds(token, device)
         if predicted <= 0:
             return
-        old = self._factor[name]
-        self._factor[name] = (1 - self._alpha) * old + self._alpha * (observed / predicted)
+        group = _group(token.kind)
+        key = (token.device, group)
+        before = self._speed_of(device, group)
+        self._factor[key] = (1 - self._alpha) * self._factor[key] + self._alpha * (observed / predicted)
+        self._sum[(device.role, group)] += self._speed_of(device, group) - before
 
-    def _rate(self, name: str, rollout: bool) -> float:
-        key = (name, rollout)
+    def _rate(self, name: str, group: int) -> float:
+        key = (name, group)
         rate = self._rates.get(key)
         if rate is None:
-            device = self._devices[name]
             n = 64  # big enough that the fixed overhead barely counts
-            if rollout:
+            if group == 0:
                 probe = Token(-1, TokenKind.ROLLOUT, name, 0, num_samples=n, step_start=0, step_end=1,
                               fragments=(_PROBE_FRAGMENT,))
             else:
                 probe = Token(-1, TokenKind.TRAIN, name, 0, transitions=n, packed=True, fragments=(_PROBE_FRAGMENT,))
-            secs = self._cost.seconds(probe, device)
-            rate = n / secs if secs > 0 else float("inf")
-            self._rates[key] = rate
-        return rate / self._factor[name]
+            secs = self._cost.seconds(probe, self._devices[name])
+            rate = self._rates[key] = n / secs if secs > 0 else float("inf")
+        return rate / self._factor[key]
 
     def rollout_rate(self, name: str) -> float:
         """Sample-steps per second of device ``name``."""
-        return self._rate(name, rollout=True)
+        return self._rate(name, 0)
 
     def train_rate(self, name: str) -> float:
         """Training rows per second of device ``name``."""
-        return self._rate(name, rollout=False)
+        return self._rate(name, 1)
 
-    def relative_speed(self, name: str) -> float:
-        """Speed of ``name`` relative to ``Device.speed == 1`` predictions, for sizing its tokens."""
-        return self._devices[name].speed / self._factor[name]
+    def relative_speed(self, name: str, kind: TokenKind) -> float:
+        """Speed of ``name`` at ``kind`` tokens relative to the mean of live devices of its role.
+
+        Token sizes scale with it: a device twice as fast as its peers gets twice the work per
+        token, while a uniformly mis-predicted pool keeps the configured sizes.
+        """
+        device = self._devices[name]
+        group = _group(kind)
+        mean = self._sum[(device.role, group)] / max(1, self._count[device.role])
+        return self._speed_of(device, group) / mean if mean > 0 else 1.0

@@ -283,7 +283,7 @@ class DisaggregatedSchedule(Schedule):
         while idle and self._train_ready():
             name = next(iter(idle))
             batch = self._batches[self.version]
-            limit = round(self.sizes.train_pack * self._speed.relative_speed(name))
+            limit = round(self.sizes.train_pack * self._speed.relative_speed(name, TokenKind.TRAIN))
             parts = batch.carve(limit, whole_samples=not self.opt.tsp)
             out.append(self._train_token(name, batch, parts))
 
@@ -329,7 +329,7 @@ class DisaggregatedSchedule(Schedule):
             if pick is None:
                 return
             name = next(iter(idle))
-            cap = round(self.sizes.rollout_batch * self._speed.relative_speed(name))
+            cap = round(self.sizes.rollout_batch * self._speed.relative_speed(name, TokenKind.ROLLOUT))
             out.append(self._rollout_token(name, pick, cap, self.sizes.step_chunk, helper=False))
 
     def _pick(self, versions: tuple[int, ...], only: int | None = None) -> tuple[int, int, int] | None:
@@ -392,7 +392,7 @@ class DisaggregatedSchedule(Schedule):
             pick = self._pick((self.version,), only=self.version)
             if pick is None:
                 return
-            cap = round(self.sizes.rollout_batch * self._speed.relative_speed(name))
+            cap = round(self.sizes.rollout_batch * self._speed.relative_speed(name, TokenKind.ROLLOUT))
             token = self._rollout_token(name, pick, cap, self.sizes.tag_steps, helper=True)
             if self._helper_pays(token, name, batch):
                 out.append(token)
@@ -522,6 +522,7 @@ class DisaggregatedSchedule(Schedule):
             return
         del self._alive[role][name]
         self._idle[role].pop(name, None)
+        self._speed.remove(name)
         self._kicked.pop(name, None)
         self._roll_capacity = self._train_capacity = None
         token = self._running.pop(name, None)
