@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import contextvars
 import itertools
 import logging
 import time
@@ -90,9 +91,11 @@ class Node:
 
     def start(self) -> None:
         """Start the router task (on the running loop, in this node's context)."""
-        current_node.set(self)
         self._remove_listener = self.transport.add_peer_listener(self._on_peer_broken)
-        task = asyncio.create_task(self._route(), name=f"digenrl-{self.name}-router")
+        # Endpoint code runs in tasks spawned from the router, so refs it builds find this node.
+        ctx = contextvars.copy_context()
+        ctx.run(current_node.set, self)
+        task = asyncio.create_task(self._route(), name=f"digenrl-{self.name}-router", context=ctx)
         task.add_done_callback(self._on_task_done)
         self._tasks.append(task)
 
@@ -342,6 +345,4 @@ class Node:
                 await task
         self._queues.clear()
         await self.transport.aclose()
-        if current_node.get() is self:
-            current_node.set(None)
         log.debug("[shutdown] Node %s: closed address=%s", self.name, self.address)

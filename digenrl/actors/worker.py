@@ -26,7 +26,7 @@ import time
 
 from digenrl.actors import _agent
 from digenrl.actors._node import Node
-from digenrl.actors.base import ActorRef
+from digenrl.actors.base import ActorRef, current_node
 from digenrl.errors import DigenrlError
 from digenrl.transport import make_transport
 
@@ -73,6 +73,7 @@ async def run_worker(
     node = Node(make_transport(transport, listen), name=name)
     node.start()
     node.trusted.add(join)
+    current_node.set(node)
     stop = asyncio.Event()
     try:
         await node.host(_agent.NodeAgent(node, stop), _agent.AGENT, trusted_only=True)
@@ -99,6 +100,15 @@ async def _serve(node: Node, join: str, stop: asyncio.Event, parent_timeout: flo
     for sig in (signal.SIGTERM, signal.SIGINT):
         with contextlib.suppress(NotImplementedError, RuntimeError):  # not the main thread / platform
             loop.add_signal_handler(sig, on_signal, sig)
+    def on_broken(peer: str, error: Exception) -> None:
+        # The system's link dropped (its process died): no need to wait for heartbeats to stop.
+        nonlocal reason
+        if peer == join and not stop.is_set():
+            log.error("[shutdown] worker %s: step=orphaned system link broken: %s", node.name, error)
+            reason = "orphaned"
+            stop.set()
+
+    remove_listener = node.transport.add_peer_listener(on_broken)
     try:
         node.last_heard[join] = time.monotonic()
         check = min(1.0, parent_timeout / 4)
@@ -106,11 +116,12 @@ async def _serve(node: Node, join: str, stop: asyncio.Event, parent_timeout: flo
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), check)
             silent = time.monotonic() - node.last_heard.get(join, 0.0)
-            if not stop.is_set() and (silent > parent_timeout or join in node.dead):
+            if not stop.is_set() and silent > parent_timeout:
                 log.error("[shutdown] worker %s: step=orphaned system silent for %.1fs", node.name, silent)
                 reason = "orphaned"
                 stop.set()
     finally:
+        remove_listener()
         for sig in (signal.SIGTERM, signal.SIGINT):
             with contextlib.suppress(NotImplementedError, RuntimeError):
                 loop.remove_signal_handler(sig)

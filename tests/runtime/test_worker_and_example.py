@@ -72,3 +72,26 @@ def test_hello_actor_example_runs_across_two_processes() -> None:
     assert m and m[1] != m[2], out.stdout  # the greeting came from another process
     assert second == f"hello again #2 from pid {m[1]}"  # the same actor kept its state
     assert not psutil.pid_exists(int(m[1]))
+
+
+async def test_worker_exits_when_the_system_dies() -> None:
+    async with ActorSystem(address="tcp://127.0.0.1:0", heartbeat_interval=0.2, heartbeat_timeout=3.0,
+                           shutdown_timeout=2.0) as system:
+        proc = await asyncio.create_subprocess_exec(
+            str(DIGENRL), "worker", "--join", system.address, "--name", "orphan", env=_env(),
+            stdin=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        try:
+            [worker] = await system.wait_for_workers(1, timeout=90)
+            a = await system.spawn(Counter, name="a", on=worker)
+            assert await a.add.call(1) == 1
+            assert system.node is not None
+            await system.node.transport.aclose()  # the driver "crashes": its endpoint vanishes unannounced
+            code = await asyncio.wait_for(proc.wait(), 30)
+        except BaseException:
+            proc.kill()
+            await proc.wait()
+            raise
+        finally:
+            stderr = (await proc.stderr.read()).decode() if proc.stderr else ""
+    assert code == 1, stderr  # orphaned, not a clean shutdown
+    assert "step=orphaned" in stderr and "[shutdown] Actor a: step=closed" in stderr
