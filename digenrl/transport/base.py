@@ -13,6 +13,17 @@ Contract (checked by ``tests/transport/test_conformance.py`` for every implement
   * ``aclose()`` wakes a pending ``recv`` with ``TransportClosed``;
   * cancelling a pending ``recv`` loses no message: the next ``recv`` returns it;
   * a send to, or a pending exchange with, a peer that died raises ``TransportBroken``.
+
+Beyond the four abstract members every transport has two concrete helpers:
+  * ``add_peer_listener(fn)`` -> remover: ``fn(peer_address, TransportBroken)`` runs on the event
+    loop when a peer this endpoint has sent to is found dead (the actor runtime fails the calls
+    pending on that peer with it);
+  * ``stats``: counters ``sent``, ``received``, ``dropped`` (malformed input from a peer: logged
+    and skipped, never raised to the receiver), ``staged`` (device tensors that took the host path),
+    plus implementation-specific ones (zmq: ``shm_fallback``).
+
+Zero copy cuts both ways: a sender must not mutate a payload tensor until ``send`` returned, and
+on ``inproc`` with ``copy=False`` the receiver's tensors alias the sender's.
 """
 
 from __future__ import annotations

@@ -106,6 +106,15 @@ class _Resources:
                 pass
 
 
+def _advertised(advertise: str | None, bound: str) -> str:
+    if advertise is None:
+        return bound
+    if "://" in advertise:
+        return advertise
+    port = bound.rsplit(":", 1)[1]
+    return f"tcp://{advertise}:{port}"
+
+
 def _same_host(dst: str) -> bool:
     if dst.startswith("ipc://"):
         return True
@@ -128,6 +137,8 @@ class ZmqTransport(Transport):
         heartbeat_s: ZMTP heartbeat interval; heartbeat_timeout_s: silence that counts as death.
         connect_timeout_s: how long a first send waits for the destination to accept.
         options: codec limits.
+        advertise: the address peers should dial and see as ``Message.src`` when it differs from
+            the bound one (a wildcard or NAT bind); ``host`` alone keeps the bound port.
 
     Raises:
         ValueError: the address is not ``ipc://`` or ``tcp://``.
@@ -152,6 +163,7 @@ class ZmqTransport(Transport):
         heartbeat_timeout_s: float = 5.0,
         connect_timeout_s: float = 10.0,
         options: codec.CodecOptions | None = None,
+        advertise: str | None = None,
     ) -> None:
         if address is None:
             address = f"ipc://{tempfile.gettempdir()}/digenrl-{os.getpid()}-{next(_COUNTER)}.sock"
@@ -182,9 +194,11 @@ class ZmqTransport(Transport):
             self._router = self._socket(zmq.ROUTER)
             self._router.setsockopt(zmq.ROUTER_HANDOVER, 1)
             self._router.bind(address)
-            self._address = self._router.getsockopt_string(zmq.LAST_ENDPOINT)
-            if self._address.startswith("ipc://"):
-                self._res.ipc_path = self._address[len("ipc://"):]
+            bound = self._router.getsockopt_string(zmq.LAST_ENDPOINT)
+            # A wildcard bind (tcp://0.0.0.0:0) is not an address peers can dial: advertise one.
+            self._address = _advertised(advertise, bound)
+            if bound.startswith("ipc://"):
+                self._res.ipc_path = bound[len("ipc://"):]
             self._ident = self._address.encode()
         except BaseException:
             self._finalizer()

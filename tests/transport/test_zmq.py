@@ -45,6 +45,21 @@ async def test_tcp_port_zero_reports_real_port() -> None:
         await t.aclose()
 
 
+async def test_advertised_address_is_what_peers_dial_and_see() -> None:
+    # (A wildcard bind would be the real use; tests stay on loopback.)
+    a = make_transport("zmq", "tcp://127.0.0.1:0", advertise="localhost")
+    b = make_transport("zmq", "tcp://127.0.0.1:0")
+    try:
+        assert a.address.startswith("tcp://localhost:")
+        await b.send(a.address, {"op": "ping"})
+        msg = await a.recv()
+        await a.send(msg.src, {"op": "pong"})
+        assert (await b.recv()).src == a.address
+    finally:
+        await a.aclose()
+        await b.aclose()
+
+
 async def test_garbage_is_dropped_and_counted_receiver_survives() -> None:
     import msgpack
 
