@@ -239,11 +239,11 @@ class Node:
             if host is not None and host.trusted_only and not local and msg.src not in self.trusted:
                 host = None  # the node's own agent answers only the system; to others it does not exist
             if host is None:
-                exc = LookupError(f"no actor named {header['to']!r} on node {self.name} ({self.address})")
+                missing = LookupError(f"no actor named {header['to']!r} on node {self.name} ({self.address})")
                 if kind == "call":
-                    self.reply_error(msg.src, header["i"], f"{header['to']}.{header['m']}", exc)
+                    self.reply_error(msg.src, header["i"], f"{header['to']}.{header['m']}", missing)
                 else:
-                    self.bad_input(msg.src, exc)
+                    self.bad_input(msg.src, missing)
                 return
             host.deliver(msg.src, header.get("i"), header["m"], args, kwargs or {})
         elif kind in ("ok", "err"):

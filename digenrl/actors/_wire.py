@@ -65,7 +65,7 @@ def parse(header: Any, payload: Any) -> Parsed:
         raise ProtocolError(f"runtime header must be a map, got {type(header).__name__}")
     kind = header.get("k")
     fields = _FIELDS.get(kind) if isinstance(kind, str) else None
-    if fields is None:
+    if fields is None or not isinstance(kind, str):
         raise ProtocolError(f"unknown runtime message kind {kind!r:.40}; expected one of {sorted(_FIELDS)}")
     for key, typ in fields.items():
         value = header.get(key)

@@ -31,7 +31,7 @@ import asyncio
 import contextvars
 import inspect
 from collections.abc import Awaitable, Callable, Iterable, Sequence
-from typing import TYPE_CHECKING, Any, ClassVar, Concatenate, Generic, ParamSpec, Protocol, TypeVar, overload
+from typing import TYPE_CHECKING, Any, ClassVar, Concatenate, Generic, ParamSpec, Protocol, Self, TypeVar, overload
 
 if TYPE_CHECKING:
     from digenrl.actors._node import Node
@@ -40,7 +40,6 @@ __all__ = ["Actor", "ActorRef", "BoundEndpoint", "Endpoint", "broadcast", "endpo
 
 P = ParamSpec("P")
 R = TypeVar("R")
-R_co = TypeVar("R_co", covariant=True)
 A = TypeVar("A", bound="Actor")
 
 #: The node (transport endpoint) that refs created or decoded in this context send through.
@@ -50,10 +49,10 @@ current_node: contextvars.ContextVar[Node | None] = contextvars.ContextVar("dige
 _RESERVED = frozenset({"call", "tell", "name", "address", "ref", "to_dict", "from_dict", "bind", "actor_class"})
 
 
-class BoundEndpoint(Protocol[P, R_co]):
+class BoundEndpoint(Protocol[P, R]):
     """What ``ref.method`` (or ``self.method`` inside the actor) gives you: the call adverbs."""
 
-    def call(self, *args: P.args, **kwargs: P.kwargs) -> asyncio.Future[R_co]:
+    def call(self, *args: P.args, **kwargs: P.kwargs) -> asyncio.Future[R]:
         """Send the call and return a future of its result (already sent, awaitable).
 
         Raises (from the future):
@@ -221,7 +220,7 @@ class Actor:
         """Release what ``setup`` acquired. Runs once, also after a failed ``setup``."""
 
     @property
-    def ref(self) -> ActorRef[Any]:
+    def ref(self) -> ActorRef[Self]:
         """This actor's own ref, to hand to peers (available from ``setup`` on).
 
         Raises:

@@ -239,9 +239,9 @@ class ActorSystem:
             raise
 
     async def _await_join(self, joined: asyncio.Future[Worker], child: ChildProcess, name: str) -> Worker:
-        exited = asyncio.ensure_future(child.wait())
+        exited: asyncio.Future[Any] = asyncio.ensure_future(child.wait())
         try:
-            await asyncio.wait({joined, exited}, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait([joined, exited], return_when=asyncio.FIRST_COMPLETED)
         finally:
             exited.cancel()
         if not joined.done():

@@ -77,7 +77,7 @@ async def run_worker(
     stop = asyncio.Event()
     try:
         await node.host(_agent.NodeAgent(node, stop), _agent.AGENT, trusted_only=True)
-        registry = ActorRef(_agent.REGISTRY, join, node=node)
+        registry: ActorRef[_agent.Registry] = ActorRef(_agent.REGISTRY, join, node=node)
         async with asyncio.timeout(join_timeout):
             config = await registry.call("join", node.address, name, os.getpid(), socket.gethostname(), token)
         parent_timeout = float(config.get("heartbeat_timeout", parent_timeout))

@@ -1,0 +1,71 @@
+"""``RewardActor``: decodes and scores finished fragments on a device of its own.
+
+With ``placement.reward >= 1`` the schedule sends every REWARD token here. The actor takes each
+fragment from the device holding its final latents (``take_fragment`` on that rollout actor or TAG
+trainer), decodes it with the model's VAE, scores it with the configured reward, hands the
+transitions to the trainer-side fragment store and returns the rewards. Without a reward actor, the
+holder scores its own fragments (same code: :class:`~digenrl.actors.rollout.GenerationMixin`).
+
+A reward actor cannot regenerate a fragment whose holder died during the hand-over (it has no policy
+weights); that REWARD token then fails and the coordinator reports the death, which restarts the
+fragment.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+from typing import Any
+
+import torch
+
+from digenrl.actors.base import Actor, endpoint
+from digenrl.actors.rollout import FragmentEngine, GenerationMixin, build_model
+from digenrl.config import config_from_dict
+
+__all__ = ["RewardActor"]
+
+
+class RewardActor(GenerationMixin, Actor):
+    """Scores fragments handed over by their holders.
+
+    Args:
+        config: the run config as a plain dict (``Config.to_dict()``).
+        threads: torch threads of this process.
+    """
+
+    def __init__(self, config: dict[str, Any], threads: int = 1) -> None:
+        self.config = config
+        self.threads = threads
+        self.peers = {}
+
+    async def setup(self) -> None:
+        from digenrl.rewards import build_reward
+
+        torch.set_num_threads(self.threads)
+        self.cfg = config_from_dict(self.config)
+        self.name = self.ref.name
+        self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"digenrl-{self.name}")
+        r = self.cfg.reward
+        reward = build_reward(r.weights, url=r.url or None, timeout=r.timeout, retries=r.retries,
+                              image_format=r.image_format, on_error=r.on_error, penalty=r.penalty)
+        model, _ = await self._compute(build_model, self.cfg)
+        model.transformer.requires_grad_(False)
+        self.engine = FragmentEngine(self.cfg, model, reward)
+
+    async def __cleanup__(self, exc: BaseException | None) -> None:
+        if hasattr(self, "pool"):
+            self.pool.shutdown(wait=False)
+
+    def _use_version(self, version: int) -> None:
+        raise RuntimeError(f"{self.name} is a reward actor; it runs no ROLLOUT tokens")
+
+    @endpoint
+    async def connect(self, peers: dict[str, Any]) -> str:
+        """Learn the other actors' refs."""
+        self.peers = dict(peers)
+        return self.name
+
+    @endpoint
+    async def reward(self, token: dict[str, Any], prompts: list[str], store: str, images: bool = False) -> dict[str, Any]:
+        """Run a REWARD token: take, decode, score, store; returns rewards and the measured span."""
+        return await self._run_reward(token, prompts, store, images)
