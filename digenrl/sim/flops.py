@@ -188,13 +188,15 @@ def forward_flops(arch: str, shape: SampleShape, config: dict[str, Any] | None =
     Raises:
         ConfigError: unknown architecture.
     """
-    key = tuple(sorted((k, repr(v)) for k, v in (config or {}).items()))
-    return _cached(arch, shape, key, config)
+    if not config:
+        return _real_model_flops(arch, shape)
+    c = _config(arch, config)
+    return _FORMULAS[arch](c, tokens(arch, shape, c), shape.text_tokens)
 
 
 @functools.lru_cache(maxsize=512)
-def _cached(arch: str, shape: SampleShape, _key: tuple[tuple[str, str], ...], config: Any) -> int:
-    c = _config(arch, config)
+def _real_model_flops(arch: str, shape: SampleShape) -> int:
+    c = _config(arch, None)
     return _FORMULAS[arch](c, tokens(arch, shape, c), shape.text_tokens)
 
 

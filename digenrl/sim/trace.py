@@ -106,9 +106,8 @@ def write_gantt(results: list[SimResult], path: Path, title: str, until: float |
     legend = [Patch(color=c, label=k.value) for k, c in KIND_COLORS.items()]
     legend.append(Patch(color=_HELPER_COLOR, label="rollout (TAG helper)"))
     fig.suptitle(title, fontsize=11)
-    fig.tight_layout(rect=(0, 0, 1, 1 - 0.9 / height))
-    fig.legend(handles=legend, loc="upper center", bbox_to_anchor=(0.5, 1 - 0.35 / height), ncol=len(legend),
-               fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0, 0.5 / height, 1, 1 - 0.3 / height))
+    fig.legend(handles=legend, loc="lower center", ncol=len(legend), fontsize=8, frameon=False)
     fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
     return path
