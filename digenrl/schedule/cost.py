@@ -115,8 +115,8 @@ class SpeedTracker:
 
     def observe(self, token: Token, observed: float) -> None:
         device = self._devices.get(token.device)
-        if device is None or observed <= 0:
-            return
+        if device is None or observed <= 0 or token.kind not in (TokenKind.ROLLOUT, TokenKind.TRAIN):
+            return  # only generation and training speeds steer placement
         predicted = self._cost.seconds(token, device)
         if predicted <= 0:
             return
