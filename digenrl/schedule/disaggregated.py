@@ -388,11 +388,15 @@ class DisaggregatedSchedule(Schedule):
         batch = self._batches.get(self.version)
         if not idle or batch is None or batch.all_scored or self._optim_running or self._train_ready():
             return
+        roll, train = self._capacities()
         for name in list(idle):
+            cap = round(self.sizes.rollout_batch * self._speed.relative_speed(name, TokenKind.ROLLOUT))
+            most = cap * self.sizes.tag_steps + batch.sample_steps_left
+            if roll > 0 and (batch.rows_total - batch.rows_done) / train >= most / roll:
+                return  # training-bound: no helper can shorten the batch (see _helper_pays)
             pick = self._pick((self.version,), only=self.version)
             if pick is None:
                 return
-            cap = round(self.sizes.rollout_batch * self._speed.relative_speed(name, TokenKind.ROLLOUT))
             token = self._rollout_token(name, pick, cap, self.sizes.tag_steps, helper=True)
             if self._helper_pays(token, name, batch):
                 out.append(token)
