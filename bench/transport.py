@@ -10,6 +10,8 @@ one message of that size to a sink that acknowledges it (time = send + delivery 
 each row an in-process memcpy (``dst.copy_(src)`` into a warm buffer) of the same bytes measured in
 the same run; ratio = gbps / memcpy_gbps. zmq and gloo use two processes (echo/sink in a child);
 inproc runs both ends on one event loop. Medians over the iterations; 1 torch thread per process.
+A ``raw-pyzmq-sync-ipc`` row (bare sync pyzmq echo, no digenrl) gives the machine's floor for
+round trips in the same run, so latency can be judged under contention.
 zmq runs with its defaults, so on one host the large tensors take the shared-memory lane
 (``--no-shm`` measures the chunked-frame path instead).
 """
@@ -35,6 +37,17 @@ LATENT = (4, 16, 8, 8)
 
 
 # ------------------------------------------------------------------------------------------- child
+
+# Reference echo with bare pyzmq (sync PAIR, no digenrl, no torch): what the machine gives right now.
+_RAW_ECHO = """
+import sys, zmq
+s = zmq.Context().socket(zmq.PAIR)
+s.bind(sys.argv[1])
+print("READY", flush=True)
+while (m := s.recv_multipart(copy=False))[0].bytes != b"stop":
+    s.send_multipart(m, copy=False)
+s.close(linger=0)
+"""
 
 
 async def zmq_child(address: str, shm: bool) -> None:
@@ -209,6 +222,35 @@ def bench_gloo(sizes: list[int], iters: int) -> list[dict[str, Any]]:
     return rows
 
 
+def bench_raw(address: str, iters: int) -> list[dict[str, Any]]:
+    import zmq
+
+    child = subprocess.Popen([sys.executable, "-c", _RAW_ECHO, address], stdout=subprocess.PIPE, text=True)
+    assert child.stdout is not None and child.stdout.readline().startswith("READY")
+    ctx = zmq.Context()
+    s = ctx.socket(zmq.PAIR)
+    s.connect(address)
+    rows = []
+    try:
+        latent = torch.randn(LATENT)
+        for label, frames in (("rtt-header", [b"h" * 16]), ("rtt-latent", [b"h" * 16, memoryview(latent.numpy())])):
+            times = []
+            for i in range(iters + 20):
+                t0 = time.perf_counter()
+                s.send_multipart(frames)
+                s.recv_multipart()
+                times.append(time.perf_counter() - t0)
+            nbytes = 0 if len(frames) == 1 else latent.numel() * 4
+            rows.append(row("raw-pyzmq-sync-ipc", label, nbytes, statistics.median(times[20:]),
+                            memcpy_gbps(nbytes, 50) if nbytes else None))
+        s.send(b"stop")
+    finally:
+        child.wait(30)
+        s.close(linger=0)
+        ctx.term()
+    return rows
+
+
 def print_table(rows: list[dict[str, Any]]) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -228,7 +270,8 @@ def print_table(rows: list[dict[str, Any]]) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--transports", default="inproc,zmq-ipc,zmq-tcp,torchdist-gloo")
+    p.add_argument("--transports", default="raw-zmq,inproc,zmq-ipc,zmq-tcp,torchdist-gloo",
+                   help="raw-zmq is a bare-pyzmq RTT reference for the machine's current state")
     p.add_argument("--sizes-mib", default="1,16,64")
     p.add_argument("--iters", type=int, default=200, help="round trips per latency row")
     p.add_argument("--no-shm", action="store_true", help="zmq: chunked frames instead of shared memory")
@@ -246,7 +289,9 @@ def main() -> None:
     tmp = tempfile.gettempdir()
     rows: list[dict[str, Any]] = []
     for name in args.transports.split(","):
-        if name == "inproc":
+        if name == "raw-zmq":
+            rows += bench_raw(f"ipc://{tmp}/digenrl-bench-raw-{uuid.uuid4().hex[:8]}.sock", args.iters)
+        elif name == "inproc":
             rows += asyncio.run(bench_inproc(sizes, args.iters))
         elif name == "zmq-ipc":
             address = f"ipc://{tmp}/digenrl-bench-{uuid.uuid4().hex[:8]}.sock"

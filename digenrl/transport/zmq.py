@@ -49,6 +49,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 from digenrl.errors import ProtocolError, TransportBroken, TransportClosed
 from digenrl.transport import _shm, codec
+from digenrl.transport._stale import sweep_stale_once
 from digenrl.transport.base import Message, Transport
 
 __all__ = ["ZmqTransport"]
@@ -165,6 +166,7 @@ class ZmqTransport(Transport):
         options: codec.CodecOptions | None = None,
         advertise: str | None = None,
     ) -> None:
+        sweep_stale_once()
         if address is None:
             address = f"ipc://{tempfile.gettempdir()}/digenrl-{os.getpid()}-{next(_COUNTER)}.sock"
         if not address.startswith(("ipc://", "tcp://")):
@@ -367,6 +369,7 @@ class ZmqTransport(Transport):
         peer.sock.close(linger=0)
         if peer.pool is not None:
             peer.pool.close(unlink=True)
+        self._reader.drop(peer.dst)  # its segments can never be reused by a dead sender
         self._notify_peer_broken(peer.dst, err)
 
     def forget_peer(self, dst: str) -> None:

@@ -250,7 +250,7 @@ def mutated_frames(draw: st.DrawFn) -> list[bytes]:
     return [bytes(f) for f in frames]
 
 
-@settings(max_examples=1200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=1000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(mutated_frames())
 def test_fuzz_only_protocol_error(frames: list[bytes]) -> None:
     try:

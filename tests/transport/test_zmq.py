@@ -214,3 +214,26 @@ async def test_cuda_ipc_strict_refuses_staging() -> None:
     else:
         with pytest.raises(ConfigError, match="needs CUDA"):
             make_transport("cuda_ipc", ipc(), strict=True)
+
+
+def test_sweep_removes_files_of_killed_processes_only() -> None:
+    from digenrl.transport import _stale
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    sock = os.path.join(tempfile.gettempdir(), f"digenrl-{dead.pid}-0.sock")
+    seg = os.path.join(SHM_DIR, f"digenrl-{dead.pid}-{uuid.uuid4().hex}")
+    fresh = os.path.join(SHM_DIR, f"digenrl-{dead.pid}-{uuid.uuid4().hex}")
+    mine = os.path.join(SHM_DIR, f"digenrl-{os.getpid()}-{uuid.uuid4().hex}")
+    for path in (sock, seg, fresh, mine):
+        open(path, "w").close()
+    os.utime(seg, (0, 0))  # old: its owner died long ago
+    try:
+        _stale._swept = False
+        _stale.sweep_stale_once()
+        assert not os.path.exists(sock) and not os.path.exists(seg)
+        assert os.path.exists(fresh) and os.path.exists(mine)  # maybe in flight / owner alive
+    finally:
+        for path in (sock, seg, fresh, mine):
+            if os.path.exists(path):
+                os.unlink(path)
