@@ -8,6 +8,7 @@ training, lost work re-issued, and liveness while a trainer and a generator surv
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 from hypothesis import HealthCheck, given, settings
@@ -56,8 +57,6 @@ def scenarios(draw: st.DrawFn, options: ScheduleOptions | None = None) -> tuple:
         "train_pack": draw(st.none() | st.integers(1, w.rows_per_batch)),
         "rollout_batch": draw(st.none() | st.integers(1, w.samples_per_batch)),
     }
-    import dataclasses
-
     options = dataclasses.replace(options, **sizes)
     if options.colocated:
         devices = [Device(f"h{i}", Role.HYBRID, draw(SPEEDS)) for i in range(draw(st.integers(1, 4)))]
