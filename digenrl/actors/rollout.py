@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -45,8 +46,17 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 _TRANS = ("sample", "step", "x", "x_next", "sigma", "sigma_next", "log_prob", "noise_level")
 
 
+_BUILD_LOCK = threading.Lock()
+
+
 def build_model(cfg: Config) -> tuple[GeneratorModel, list[torch.nn.Parameter]]:
     """The generator with its trainable parameters, built exactly as the colocated recipe builds it."""
+    # diffusers' lazy imports are not thread-safe: in-process actors build their models one at a time.
+    with _BUILD_LOCK:
+        return _build_model(cfg)
+
+
+def _build_model(cfg: Config) -> tuple[GeneratorModel, list[torch.nn.Parameter]]:
     m = cfg.model
     model = load_model(m.name, m.preset, path=m.path or None, device=m.device, dtype=_DTYPES[m.dtype], seed=m.seed,
                        resolution=(m.resolution[0], m.resolution[1]),

@@ -1,0 +1,387 @@
+"""``Coordinator``: drives a schedule object with real actors and keeps the books of each batch.
+
+State machine (one instance per run)::
+
+    start:   publish the starting version to every rollout actor, then launch schedule.start()
+    loop:    wait for the first finished token (or 0.25 s, to notice deaths of idle actors)
+             ├─ result      → record its span, update the batch's books, TokenDone → new tokens
+             ├─ ActorDied   → DeviceDied → the schedule re-issues the lost work
+             │                (a dead trainer stops the run: RunStopped, resume from the checkpoint)
+             └─ other error → stop the run (cancel what runs, re-raise)
+    done:    schedule.done (every optimizer step ran) → return the metrics history
+
+Books per logical batch: its prompts (a pure function of seed and batch index, so the dataset
+position is just the next batch index), a ``GroupAssembler`` fed by REWARD results, the advantage
+of every finished group, loss sums from TRAIN results, a row ledger that proves every trained row
+of the batch is trained exactly once, the rewards and (every ``log.image_every`` steps) images.
+
+Races: a TRAIN token may be issued before its groups' advantages exist (with ``adv_std =
+"global"`` advantages need the whole batch); its task waits on a condition until they do, and
+the trainer counts as busy meanwhile. An OPTIM token's task also computes the step's metrics and
+writes the checkpoint before it reports done, so the checkpoint always holds the weights of the
+version just made, before any trainer can change them. Tensors never pass through here: tokens
+carry fragment geometry, sources and advantages; latents go actor to actor.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from digenrl.config import Config
+from digenrl.errors import ActorDied, DigenrlError, StalenessViolation
+from digenrl.rl.advantages import GroupAssembler
+from digenrl.rl.loss import reduce_stats
+from digenrl.schedule import make_schedule
+from digenrl.schedule.base import CostEstimate, Device, DeviceDied, Role, Schedule, Token, TokenDone, TokenKind, Workload
+
+__all__ = ["Coordinator", "RunStopped", "batch_prompts"]
+
+log = logging.getLogger(__name__)
+
+
+class RunStopped(DigenrlError):
+    """The run cannot continue (a trainer died, or the schedule failed); the message says how to resume."""
+
+
+def batch_prompts(prompts: list[str], seed: int, batch: int, count: int) -> list[str]:
+    """The prompts of logical batch ``batch``: a pure function, so resuming needs only the batch index."""
+    rng = random.Random(seed * 1_000_003 + batch)
+    return rng.sample(prompts, count) if count <= len(prompts) else [rng.choice(prompts) for _ in range(count)]
+
+
+@dataclass
+class _Book:
+    prompts: list[str]
+    assembler: GroupAssembler
+    adv: dict[int, tuple[float, bool]] = field(default_factory=dict)
+    rewards: list[float] = field(default_factory=list)
+    groups: int = 0
+    zero_groups: int = 0
+    sums: list[dict[str, float]] = field(default_factory=list)
+    ledger: dict[int, list[tuple[int, int]]] = field(default_factory=dict)
+    kept_rows: int = 0
+    stored_at: dict[int, str] = field(default_factory=dict)
+    images: dict[int, torch.Tensor] = field(default_factory=dict)
+    staleness: int = 0
+
+
+class Coordinator:
+    """Runs ``cfg.train.iterations - base`` optimizer steps of a schedule over real actors.
+
+    Args:
+        cfg: the run config.
+        schedule_name: one of the actor schedules (``disaggregated``, ``gap``, ``tsp``, ``tag``, ``async1``).
+        devices: one ``Device`` per actor (names match ``refs``).
+        refs: actor refs by device name.
+        prompts: the prompt pool.
+        options: ``ScheduleOptions`` overrides.
+        cost: the schedule's cost estimate (``None``: its default).
+        base: optimizer steps already done (resume): local batch ``b`` is global batch ``base + b``.
+        history: metrics of the steps already done (resume).
+        is_dead: tells whether a device's process is known dead (the actor system's supervision).
+        weights_lane: ``"zmq"`` or ``"torchdist"``.
+        bucket_mb: weight bucket size for the torchdist lane.
+        checkpoint: ``async (step, state) -> None`` writing a checkpoint (``None``: no checkpoints).
+        checkpoint_every: optimizer steps between checkpoints.
+        on_step: called with each optimizer step's metrics.
+        on_images: called with ``(step, images)`` for the steps that log sample images.
+    """
+
+    def __init__(self, cfg: Config, schedule_name: str, devices: list[Device], refs: dict[str, Any],
+                 prompts: list[str], *, options: dict[str, Any] | None = None, cost: CostEstimate | None = None,
+                 base: int = 0, history: list[dict[str, Any]] | None = None,
+                 is_dead: Callable[[str], bool] = lambda name: False, weights_lane: str = "zmq",
+                 bucket_mb: float = 64.0, checkpoint: Callable[[int, dict[str, Any]], Any] | None = None,
+                 checkpoint_every: int = 1, on_step: Callable[[dict[str, Any]], None] | None = None,
+                 on_images: Callable[[int, torch.Tensor], None] | None = None, t0: float | None = None) -> None:
+        from digenrl.actors.rollout import trained_steps
+        from digenrl.recipes.observe import SpanLog
+
+        self.cfg = cfg
+        self.devices = list(devices)
+        self.refs = refs
+        self.prompts = prompts
+        self.base = base
+        self.history = list(history or [])
+        self.is_dead = is_dead
+        self.weights_lane = weights_lane
+        self.bucket_mb = bucket_mb
+        self.checkpoint = checkpoint
+        self.checkpoint_every = checkpoint_every
+        self.on_step = on_step
+        self.on_images = on_images
+        ro = cfg.rollout
+        self.workload = Workload(cfg.train.iterations - base, ro.prompts_per_batch, ro.group_size, ro.num_steps,
+                                 trained_steps(cfg))
+        opts = dict(options or {})
+        if cfg.schedule.staleness:
+            opts["staleness"] = cfg.schedule.staleness
+        self.schedule: Schedule = make_schedule(schedule_name, self.devices, self.workload, cost, **opts)
+        self.staleness = int(getattr(getattr(self.schedule, "opt", None), "staleness", 0))
+        self.role = {d.name: d.role for d in self.devices}
+        self.alive = {d.name for d in self.devices}
+        self.t0 = t0 if t0 is not None else time.time()
+        self.spans = SpanLog(self.t0)
+        self._tasks: dict[asyncio.Task[Any], Token] = {}
+        self._dispatched: dict[str, float] = {}  # device -> dispatch time of its running compute token
+        self._books: dict[int, _Book] = {}
+        self._adv_ready = asyncio.Condition()
+        self._last_optim = self.t0
+        self.lost_devices: list[str] = []
+
+    # -- public --------------------------------------------------------------------------------
+    @property
+    def trainers(self) -> list[str]:
+        return [d.name for d in self.devices if d.role is Role.TRAINER and d.name in self.alive]
+
+    @property
+    def rollouts(self) -> list[str]:
+        return [d.name for d in self.devices if d.role is Role.ROLLOUT and d.name in self.alive]
+
+    async def run(self) -> list[dict[str, Any]]:
+        """Drive the schedule to the end; returns the metrics history (one dict per optimizer step).
+
+        Raises:
+            RunStopped: a trainer died or the schedule failed (the message says how to resume).
+            StalenessViolation: an invariant broke (a row trained twice, a version mismatch).
+            RemoteError: an actor's endpoint raised.
+        """
+        try:
+            await self._publish(self.base)
+            self._launch(self.schedule.start())
+            while not self.schedule.done:
+                if self.schedule.failed:
+                    raise RunStopped(f"schedule failed: {self.schedule.failed}")
+                if not self._tasks:
+                    raise RunStopped("the schedule stalled: no token running and the run is not done")
+                # The timeout only matters for deaths of idle actors: a running token's death
+                # surfaces as ActorDied from its own call right away.
+                done, _ = await asyncio.wait(self._tasks, timeout=0.25, return_when=asyncio.FIRST_COMPLETED)
+                self._check_deaths()
+                for task in done:
+                    token = self._tasks.pop(task, None)
+                    if token is not None:
+                        await self._settle(task, token)
+        finally:
+            for task in self._tasks:
+                task.cancel()
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+            self._tasks.clear()
+        return self.history
+
+    # -- launching -----------------------------------------------------------------------------
+    def _book(self, batch: int) -> _Book:
+        book = self._books.get(batch)
+        if book is None:
+            ro, tr = self.cfg.rollout, self.cfg.train
+            assembler = GroupAssembler(ro.group_size, std=tr.adv_std, num_groups=ro.prompts_per_batch,  # type: ignore[arg-type]
+                                       clip=tr.adv_clip)
+            book = self._books[batch] = _Book(batch_prompts(self.prompts, self.cfg.log.seed, batch,
+                                                            ro.prompts_per_batch), assembler)
+        return book
+
+    def _wire(self, token: Token) -> dict[str, Any]:
+        return {"id": token.id, "kind": token.kind.value, "batch": token.batch + self.base,
+                "version": token.policy_version + self.base, "start": token.step_start, "end": token.step_end,
+                "frags": [[f.index, f.prompt_start, f.prompt_end, f.member_start, f.member_end, f.group_size]
+                          for f in token.fragments],
+                "rows": [list(r) for r in token.rows], "sources": list(token.sources), "helper": token.helper,
+                "packed": token.packed}
+
+    def _launch(self, tokens: list[Token]) -> None:
+        now = time.time()
+        for token in tokens:
+            if token.kind in (TokenKind.ROLLOUT, TokenKind.REWARD, TokenKind.TRAIN):
+                self._dispatched[token.device] = now
+            task = asyncio.ensure_future(self._execute(token))
+            self._tasks[task] = token
+
+    async def _execute(self, token: Token) -> dict[str, Any]:
+        kind, w = token.kind, self._wire(token)
+        ref = self.refs[token.device]
+        book = self._book(w["batch"])
+        if kind is TokenKind.ROLLOUT:
+            book.staleness = max(book.staleness, token.batch - token.policy_version)
+            return await ref.rollout.call(w, book.prompts)
+        if kind is TokenKind.REWARD:
+            trainers = self.trainers
+            store = trainers[token.fragments[0].index % len(trainers)]
+            every = self.cfg.log.image_every
+            images = bool(every) and self.on_images is not None and (
+                w["batch"] % every == 0 or w["batch"] == self.cfg.train.iterations - 1)
+            result = await ref.reward.call(w, book.prompts, store, images)
+            result["store"] = store
+            return result
+        if kind is TokenKind.TRAIN:
+            infos = await self._train_infos(book, token)
+            return await ref.train.call(w, infos)
+        if kind is TokenKind.OPTIM:
+            return await self._optim(token, w["batch"], book)
+        if kind is TokenKind.PUBLISH:
+            return await self._publish(w["version"])
+        raise StalenessViolation(f"coordinator cannot run a {kind.value} token (disaggregated schedules only)")
+
+    async def _train_infos(self, book: _Book, token: Token) -> list[dict[str, Any]]:
+        sids = [f.sample_ids() for f in token.fragments]
+        async with self._adv_ready:
+            await self._adv_ready.wait_for(lambda: all(s in book.adv for ss in sids for s in ss))
+        return [{"adv": [book.adv[s][0] for s in ss], "keep": [not book.adv[s][1] for s in ss],
+                 "store": book.stored_at[f.index]} for f, ss in zip(token.fragments, sids, strict=True)]
+
+    async def _publish(self, version: int) -> dict[str, Any]:
+        lead = self.trainers[0]
+        t0 = time.time()
+        if self.weights_lane == "torchdist":
+            calls = [self.refs[lead].publish_dist.call(version)]
+            calls += [self.refs[r].receive_weights_dist.call(version, self.bucket_mb) for r in self.rollouts]
+            out = (await asyncio.gather(*calls))[0]
+        else:
+            out = await self.refs[lead].publish.call(version, self.rollouts)
+        out.setdefault("t0", t0)
+        return out
+
+    async def _optim(self, token: Token, batch: int, book: _Book) -> dict[str, Any]:
+        group = [n for n in token.devices if n in self.alive]
+        expected = self.workload.rows_per_batch
+        covered = sum(e - s for spans in book.ledger.values() for s, e in spans)
+        if covered != expected:
+            raise StalenessViolation(f"batch {batch}: {covered} rows trained before its optimizer step, expected {expected}")
+        if len(group) > 1:
+            await asyncio.gather(*(self.refs[n].snapshot_grads.call() for n in group))
+        results = await asyncio.gather(*(self.refs[n].optim.call(batch, book.kept_rows, group) for n in group))
+        for name, res in zip(group, results, strict=True):
+            self.spans.add(name, TokenKind.OPTIM, batch, -1, token.policy_version + self.base, res["t0"], res["t1"],
+                           helper=False, token=token.id)
+        metrics = self._step_metrics(batch, book, results[0])
+        if self.checkpoint is not None and self.checkpoint_every and (
+                (batch + 1) % self.checkpoint_every == 0 or batch + 1 == self.cfg.train.iterations):
+            await self.checkpoint(batch + 1, self.state(batch + 1))
+        if self.on_step is not None:
+            self.on_step(metrics)
+        return results[0]
+
+    # -- completion ----------------------------------------------------------------------------
+    async def _settle(self, task: asyncio.Task[Any], token: Token) -> None:
+        if task.cancelled():
+            return
+        exc = task.exception()
+        if isinstance(exc, ActorDied):
+            for name in token.devices:
+                if self.is_dead(name) or name == token.device:
+                    self._died(name, str(exc))
+            return
+        if exc is not None:
+            await asyncio.sleep(0.3)  # let supervision mark a dead peer first: the error may be its echo
+            self._check_deaths()
+            raise exc
+        result = task.result()
+        self._dispatched.pop(token.device, None)
+        self._record(token, result)
+        self._launch(self.schedule.on_event(TokenDone(token, observed_seconds=max(1e-6, result["t1"] - result["t0"]))))
+
+    def _record(self, token: Token, result: dict[str, Any]) -> None:
+        kind, batch = token.kind, token.batch + self.base
+        if kind is not TokenKind.OPTIM:
+            self.spans.add(token.device, kind, batch, token.fragment, token.policy_version + self.base,
+                           result["t0"], result["t1"], token.num_samples, token.helper, token.id)
+        book = self._books.get(batch)
+        if kind is TokenKind.REWARD and book is not None:
+            completed = []
+            for frag, rewards in zip(token.fragments, result["rewards"], strict=True):
+                book.stored_at[frag.index] = result["store"]
+                book.rewards.extend(float(r) for r in rewards)
+                prompts = [frag.prompt_start + i // frag.num_members for i in range(frag.num_samples)]
+                completed += book.assembler.add(prompts, frag.sample_ids(), rewards)
+            for imgs, frag in zip(result.get("images", []), token.fragments, strict=False):
+                book.images[frag.index] = imgs
+            for group in completed:
+                book.groups += 1
+                book.zero_groups += group.zero_std
+                for sid, a in zip(group.sample_ids, group.advantages.tolist(), strict=True):
+                    book.adv[sid] = (a, group.zero_std)
+            if completed:
+                asyncio.ensure_future(self._notify())
+        elif kind is TokenKind.TRAIN and book is not None:
+            book.sums.extend(result["sums"])
+            for index, s, e, kept in result["rows"]:
+                spans = book.ledger.setdefault(index, [])
+                if any(s < e2 and s2 < e for s2, e2 in spans):
+                    raise StalenessViolation(f"batch {batch} fragment {index}: rows [{s}, {e}) trained twice")
+                spans.append((s, e))
+                book.kept_rows += kept
+        elif kind is TokenKind.OPTIM:
+            self._books.pop(batch, None)
+
+    async def _notify(self) -> None:
+        async with self._adv_ready:
+            self._adv_ready.notify_all()
+
+    def _step_metrics(self, batch: int, book: _Book, optim: dict[str, Any]) -> dict[str, Any]:
+        from digenrl.recipes.observe import window_bubbles
+
+        end = time.time()
+        start_rel, end_rel = self._last_optim - self.t0, end - self.t0
+        running = {d: t - self.t0 for d, t in self._dispatched.items()}
+        bubbles = window_bubbles(self.spans.spans, [d.name for d in self.devices if d.name in self.alive],
+                                 start_rel, end_rel, running)
+        bubbles["overall"] = sum(bubbles.values()) / max(1, len(bubbles))
+        rewards = torch.tensor(book.rewards, dtype=torch.float64)
+        stats = reduce_stats(book.sums) if book.sums else {}
+        seconds = end - self._last_optim
+        self._last_optim = end
+        metrics: dict[str, Any] = {
+            "step": batch, "reward_mean": float(rewards.mean()), "reward_std": float(rewards.std(unbiased=False)),
+            "samples_per_s": self.workload.samples_per_batch / max(seconds, 1e-9), "bubble_ratio": bubbles,
+            "max_staleness": book.staleness, "clipfrac": stats.get("clipfrac", 0.0),
+            "approx_kl": stats.get("approx_kl", 0.0), "kl": stats.get("kl", 0.0),
+            "zero_std_ratio": book.zero_groups / max(1, book.groups), "seconds": seconds,
+            "policy_loss": stats.get("policy_loss", 0.0), "grad_norm": optim["grad_norm"],
+            "rows_trained": sum(e - s for spans in book.ledger.values() for s, e in spans),
+            "rows_kept": book.kept_rows, "version": batch + 1, "time": end_rel,
+        }
+        self.history.append(metrics)
+        if book.images and self.on_images is not None:
+            self.on_images(batch, torch.cat([book.images[k] for k in sorted(book.images)]))
+        return metrics
+
+    # -- faults --------------------------------------------------------------------------------
+    def _check_deaths(self) -> None:
+        for name in sorted(self.alive):
+            if self.is_dead(name):
+                self._died(name, "process is gone")
+
+    def _died(self, name: str, reason: str) -> None:
+        if name not in self.alive:
+            return
+        self.alive.discard(name)
+        self.lost_devices.append(name)
+        self._dispatched.pop(name, None)
+        for task, token in list(self._tasks.items()):
+            if name in token.devices:
+                task.cancel()
+                del self._tasks[task]
+        if self.role[name] is Role.TRAINER:
+            raise RunStopped(f"trainer {name} died ({reason}) at version {self.version}; its accumulated "
+                             f"gradients are lost. The last checkpoint is intact: resume with --resume <run dir>")
+        log.warning("coordinator: %s died (%s); re-issuing its work", name, reason)
+        self._launch(self.schedule.on_event(DeviceDied(name)))
+
+    @property
+    def version(self) -> int:
+        return self.base + int(getattr(self.schedule, "version", 0))
+
+    def state(self, version: int) -> dict[str, Any]:
+        """The coordinator's checkpoint state at ``version`` (optimizer steps done)."""
+        in_flight = sorted({(b, f) for b, book in self._books.items() if b >= version for f in book.stored_at})
+        return {"version": version, "next_batch": version, "seed": self.cfg.log.seed, "history": self.history,
+                "schedule": self.schedule.name, "in_flight": [list(x) for x in in_flight],
+                "lost_devices": self.lost_devices}

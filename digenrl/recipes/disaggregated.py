@@ -1,0 +1,223 @@
+"""The disaggregated recipe: rollout, reward and trainer actors in their own processes, one coordinator.
+
+::
+
+    run_disaggregated(cfg, "runs/x", settings=DisaggSettings(schedule="tag"))     # or from the CLI:
+    digenrl run configs/tiny-disagg.toml --set schedule.name=async1
+
+Setup (torchtune-style, everything built before the first token): spawn the trainers, rollout and
+reward actors (one process each, titled ``digenrl-<role>-<i>``; ``transport.actors = "inproc"`` keeps
+them in this process for tests), hand every actor the others' refs, join the torch.distributed
+weight lane when configured, restore the checkpoint when resuming, then let the
+:class:`~digenrl.actors.coordinator.Coordinator` drive the schedule. ``schedule.name = "colocated"``
+runs the single-process reference loop (:func:`digenrl.recipes.colocated.train`) instead.
+
+Outputs in ``out_dir``: ``config.json``, ``metrics.jsonl`` (one line per optimizer step),
+``samples/step_*.png``, ``checkpoints/step-*`` (atomic, ``latest``), ``trace.json`` (Chrome/Perfetto
+spans of every actor), ``gantt.png`` and ``summary.json`` (the simulator's steady/full metrics of the
+real spans).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import socket
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from digenrl.actors import ActorSystem
+from digenrl.actors.coordinator import Coordinator, RunStopped
+from digenrl.actors.reward import RewardActor
+from digenrl.actors.rollout import RolloutActor
+from digenrl.actors.trainer import TrainerActor
+from digenrl.config import Config
+from digenrl.recipes.checkpoint import find_checkpoint, load_state, save_checkpoint
+from digenrl.recipes.disagg_config import DisaggSettings
+from digenrl.recipes.observe import LiveDisplay, MetricsLog, run_stats, write_artifacts
+from digenrl.recipes.prompts import load_prompts
+from digenrl.schedule.base import CostEstimate, Device, Role
+from digenrl.schedule.cost import UniformCost
+
+__all__ = ["run_disaggregated", "arun_disaggregated", "tiny_cpu_cost", "Cluster", "start_cluster"]
+
+log = logging.getLogger(__name__)
+
+
+def tiny_cpu_cost() -> UniformCost:
+    """Seconds per token of the tiny Qwen-Image preset on one CPU thread (FEASIBILITY §8, rounded).
+
+    The schedules only use ratios of these (placement, TAG decisions) and correct them online.
+    """
+    return UniformCost(overhead=0.01, rollout_sample_step=0.0006, reward_sample=0.008, train_row=0.0018,
+                       train_row_packed=0.0014, optim=0.01, publish=0.01, switch=0.0)
+
+
+class Cluster:
+    """The spawned actors of one run: refs by name, their devices, and the system that owns them."""
+
+    def __init__(self, system: ActorSystem, refs: dict[str, Any], devices: list[Device]) -> None:
+        self.system, self.refs, self.devices = system, refs, devices
+
+    def is_dead(self, name: str) -> bool:
+        node = self.system.node
+        return node is not None and self.refs[name].address in node.dead
+
+    def names(self, role: Role) -> list[str]:
+        return [d.name for d in self.devices if d.role is role]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+async def start_cluster(system: ActorSystem, cfg: Config, settings: DisaggSettings, version: int = 0) -> Cluster:
+    """Spawn and wire the actors of ``settings`` inside a started ``system``.
+
+    Raises:
+        RemoteError: an actor's constructor or setup failed (its traceback attached).
+        ActorDied: an actor process died before it was ready.
+    """
+    process = settings.actors == "zmq"
+    conf = cfg.to_dict()
+    staleness = max(cfg.schedule.staleness, 1 if settings.schedule == "async1" else 0)
+    plan: list[tuple[str, Role, type, tuple[Any, ...]]] = []
+    plan += [(f"trainer-{i}", Role.TRAINER, TrainerActor, (conf, settings.actor_threads, staleness, settings.bucket_mb))
+             for i in range(settings.trainer)]
+    plan += [(f"rollout-{i}", Role.ROLLOUT, RolloutActor, (conf, settings.actor_threads)) for i in range(settings.rollout)]
+    plan += [(f"reward-{i}", Role.REWARD, RewardActor, (conf, settings.actor_threads)) for i in range(settings.reward)]
+    # Spawned together: each process spends seconds importing torch, so their imports overlap.
+    refs_list = await asyncio.gather(*(system.spawn(cls, *args, name=name, process=process)
+                                       for name, _, cls, args in plan))
+    refs = {name: ref for (name, *_), ref in zip(plan, refs_list, strict=True)}
+    devices = [Device(name, role) for name, role, _, _ in plan]
+    cluster = Cluster(system, refs, devices)
+    dist: dict[str, dict[str, Any]] = {}
+    if settings.weights == "torchdist":
+        url = f"tcp://127.0.0.1:{_free_port()}"
+        members = [cluster.names(Role.TRAINER)[0], *cluster.names(Role.ROLLOUT)]
+        dist = {n: {"rank": i, "world_size": len(members), "init_method": url} for i, n in enumerate(members)}
+    calls = []
+    for name, role, _, _ in plan:
+        ref = refs[name]
+        if role is Role.TRAINER:
+            calls.append(ref.connect.call(refs, version, dist.get(name)))
+        elif role is Role.ROLLOUT:
+            calls.append(ref.connect.call(refs, dist.get(name)))
+        else:
+            calls.append(ref.connect.call(refs))
+    await asyncio.gather(*calls)
+    return cluster
+
+
+async def arun_disaggregated(cfg: Config, out_dir: str | Path | None = None, resume: str | Path | None = None, *,
+                             settings: DisaggSettings | None = None, cost: CostEstimate | None = None,
+                             on_step: Callable[[dict[str, Any]], None] | None = None,
+                             write_files: bool = True) -> list[dict[str, Any]]:
+    """Async form of :func:`run_disaggregated` (for callers that already run an event loop)."""
+    from digenrl.recipes.colocated import default_out_dir, save_grid
+
+    settings = settings or DisaggSettings()
+    out = Path(out_dir or cfg.log.out or default_out_dir())
+    base, history, ckpt = 0, [], None
+    if resume is not None:
+        ckpt = find_checkpoint(resume)
+        state = load_state(ckpt)
+        base, history = state["version"], list(state.get("history", []))[: state["version"]]
+        log.info("resuming from %s at version %d", ckpt, base)
+    if base >= cfg.train.iterations:
+        return history
+    torch.set_num_threads(1)
+    if write_files:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "config.json").write_text(json.dumps({**cfg.to_dict(), "disaggregated": settings.to_dict()}, indent=2))
+    metrics = MetricsLog(out if write_files else None, settings.tensorboard, history)
+    live = LiveDisplay(cfg.train.iterations, f"digenrl {settings.schedule}") if settings.live else None
+    t0 = time.time()
+
+    def step_done(m: dict[str, Any]) -> None:
+        metrics.write(m)
+        if live is not None:
+            live.update(m)
+        if on_step is not None:
+            on_step(m)
+
+    def images(step: int, imgs: torch.Tensor) -> None:
+        save_grid(imgs[: cfg.log.images_per_grid].float() / 255, out / "samples" / f"step_{step:05d}.png",
+                  columns=cfg.rollout.group_size)
+
+    async with ActorSystem(transport=settings.actors, address=settings.address or None, name="coordinator") as system:
+        cluster = await start_cluster(system, cfg, settings, base)
+        trainers = cluster.names(Role.TRAINER)
+        if ckpt is not None:
+            await asyncio.gather(*(cluster.refs[n].load_state.call(str(ckpt), base) for n in trainers))
+        coordinator: Coordinator | None = None
+
+        async def checkpoint(step: int, state: dict[str, Any]) -> None:
+            assert coordinator is not None
+            lead = cluster.refs[coordinator.trainers[0]]
+            await save_checkpoint(out / "checkpoints", step, state, lambda d: lead.save_state.call(str(d)),
+                                  keep=settings.keep_checkpoints)
+
+        coordinator = Coordinator(
+            cfg, settings.schedule, cluster.devices, cluster.refs,
+            load_prompts(cfg.data.prompt_set, cfg.data.prompts, cfg.data.prompt_file),
+            options=settings.options, cost=cost or tiny_cpu_cost(), base=base, history=history,
+            is_dead=cluster.is_dead, weights_lane="torchdist" if settings.weights == "torchdist" else "zmq",
+            bucket_mb=settings.bucket_mb, checkpoint=checkpoint if write_files else None,
+            checkpoint_every=settings.checkpoint_every, on_step=step_done,
+            on_images=images if write_files else None, t0=t0)
+        try:
+            if live is not None:
+                live.__enter__()
+            history = await coordinator.run()
+        except RunStopped as exc:
+            log.error("run stopped: %s", exc)
+            raise RunStopped(f"{exc} (run directory: {out})") from None
+        finally:
+            if live is not None:
+                live.__exit__(None, None, None)
+            metrics.close()
+            if write_files:
+                result = coordinator.spans.result(settings.schedule, cluster.devices, coordinator.workload,
+                                                  time.time() - t0)
+                write_artifacts(out, result, settings.trace, settings.gantt)
+                (out / "summary.json").write_text(json.dumps({**run_stats(result),
+                                                              "lost_devices": coordinator.lost_devices}, indent=1))
+    return history
+
+
+def run_disaggregated(cfg: Config, out_dir: str | Path | None = None, resume: str | Path | None = None, *,
+                      settings: DisaggSettings | None = None, cost: CostEstimate | None = None,
+                      on_step: Callable[[dict[str, Any]], None] | None = None,
+                      write_files: bool = True) -> list[dict[str, Any]]:
+    """Run ``cfg.train.iterations`` optimizer steps with the schedule in ``settings``; returns the metrics.
+
+    Args:
+        cfg: the validated run config.
+        out_dir: output directory (default ``log.out``, else ``runs/<timestamp>``).
+        resume: a run directory, checkpoints directory or ``step-*`` checkpoint to continue from.
+        settings: schedule, placement and transport (default: ``DisaggSettings()``, TAG on zmq).
+        cost: the schedules' cost estimate (default :func:`tiny_cpu_cost`).
+        on_step: called with each optimizer step's metrics.
+        write_files: False keeps everything in memory (no metrics, checkpoints or pictures).
+
+    Raises:
+        RunStopped: a trainer died (the message names the checkpoint to resume from).
+        ConfigError: a bad setting or checkpoint.
+        RemoteError: an actor failed (its traceback attached).
+    """
+    settings = settings or DisaggSettings()
+    if not settings.disaggregated:
+        from digenrl.recipes.colocated import train
+
+        return train(cfg, out_dir=out_dir, on_iteration=on_step, write_files=write_files)  # type: ignore[arg-type]
+    return asyncio.run(arun_disaggregated(cfg, out_dir, resume, settings=settings, cost=cost, on_step=on_step,
+                                          write_files=write_files))
