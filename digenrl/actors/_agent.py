@@ -127,6 +127,7 @@ class NodeAgent(Actor):
     def __init__(self, node: Node, stop: asyncio.Event) -> None:
         self._node = node
         self._stop = stop
+        self.shutting_down = False  # the system asked us to go: silence from it is expected now
 
     @endpoint
     async def spawn_actor(self, spec: dict[str, Any], name: str, args: list[Any], kwargs: dict[str, Any]) -> int:
@@ -161,6 +162,7 @@ class NodeAgent(Actor):
     @endpoint(control=True)
     async def shutdown(self, timeout: float) -> list[str]:
         """Drain and close every hosted actor, then let the worker process exit; returns their names."""
+        self.shutting_down = True
         names = [n for n in self._node.hosts if n != AGENT]
         await asyncio.gather(*(self._node.hosts[n].stop(timeout) for n in names if n in self._node.hosts))
         asyncio.get_running_loop().call_soon(self._stop.set)  # after this reply is queued

@@ -65,13 +65,29 @@ def main(argv: list[str] | None = None) -> int:
     from digenrl.actors.worker import run_worker
 
     try:
-        asyncio.run(run_worker(args.join, name=args.name, listen=args.listen, transport=args.transport,
-                               token=args.token, parent_timeout=args.parent_timeout))
+        reason = asyncio.run(run_worker(args.join, name=args.name, listen=args.listen, transport=args.transport,
+                                        token=args.token, parent_timeout=args.parent_timeout))
     except Exception:
         logging.getLogger("digenrl.actors").exception("actor process %s failed", args.name)
         return 1
-    return 0
+    return 1 if reason == "orphaned" else 0
+
+
+def _exit(code: int) -> None:
+    """Exit without the interpreter's module teardown, as multiprocessing's children do.
+
+    Everything the actor owned is closed by now and ``atexit`` handlers still run; what is skipped
+    is the slow garbage collection of modules (over a second with torch loaded), which would
+    otherwise eat into the system's shutdown deadline.
+    """
+    import atexit
+
+    atexit._run_exitfuncs()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    _exit(main())

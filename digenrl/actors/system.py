@@ -140,6 +140,7 @@ class ActorSystem:
         transport = make_transport(self.transport_kind, self._address, **self._transport_options)
         self.node = Node(transport, name=self.name)
         self.node.start()
+        self.node.transport.add_peer_listener(self._on_peer_broken)
         await self.node.host(_agent.Registry(self._on_join), _agent.REGISTRY)
         self._background(self._heartbeat_loop(), "heartbeat")
         self._state = "running"
@@ -300,22 +301,35 @@ class ActorSystem:
         node = self.node
         assert node is not None
         for seq in itertools.count():
-            if self._state != "running":
-                return
+            # Pings continue while DRAINING: a worker that hears nothing would think us dead.
             now = time.monotonic()
             for worker in list(self._workers.values()):
                 silent = now - node.last_heard.get(worker.address, now)
-                if silent > self.heartbeat_timeout:
+                if silent > self.heartbeat_timeout and self._state == "running":
                     self._worker_died(worker, f"no heartbeat for {silent:.1f}s")
-                else:
+                elif worker.address not in node.dead:
                     node.send(worker.address, {"k": "ping", "i": seq})
             await asyncio.sleep(self.heartbeat_interval)
 
     async def _watch_process(self, worker: Worker) -> None:
         assert worker.process is not None
         code = await worker.process.wait()
+        reason = f"process {worker.pid} ({worker.process.title}) {describe_exit(code)}"
         if self._state == "running" and worker.address in self._workers:
-            self._worker_died(worker, f"process {worker.pid} ({worker.process.title}) {describe_exit(code)}")
+            self._worker_died(worker, reason)
+        elif self._state == "running" and code != 0:  # already declared dead (transport): say how it ended
+            log.error("ActorSystem %s: %s", self.name, reason)
+
+    def _on_peer_broken(self, peer: str, error: Exception) -> None:
+        # The transport saw the link drop (process exit, kill, ZMTP heartbeat loss): often the
+        # first sign of a death, before the process sentinel or our own heartbeats.
+        worker = self._workers.get(peer)
+        if worker is None or self.node is None:
+            return
+        if self._state == "running":
+            self._worker_died(worker, f"transport broken: {error}")
+        else:  # expected while shutting down: just stop pinging it
+            self.node.mark_dead(peer, f"transport broken: {error}")
 
     def _worker_died(self, worker: Worker, reason: str) -> None:
         node = self._running()
@@ -390,14 +404,14 @@ class ActorSystem:
         assert node is not None
         end = time.monotonic() + self.shutdown_timeout
         workers = list(self._workers.values())
-        self._workers.clear()
         log.info("[shutdown] ActorSystem %s: step=drain local=%d workers=%d deadline=%.1fs",
                  self.name, len(self._local), len(workers), self.shutdown_timeout)
-        for task in list(self._tasks):
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
         local = [node.hosts[n].stop(max(0.0, end - time.monotonic())) for n in reversed(self._local) if n in node.hosts]
         await asyncio.gather(*local, *(self._stop_worker(w, end) for w in workers), return_exceptions=True)
+        self._workers.clear()
+        for task in list(self._tasks):  # heartbeats, process watchers, kills (shielded: they finish)
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
         registry = node.hosts.get(_agent.REGISTRY)
         if registry is not None:
             await registry.stop(0.1)

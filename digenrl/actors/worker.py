@@ -76,18 +76,19 @@ async def run_worker(
     current_node.set(node)
     stop = asyncio.Event()
     try:
-        await node.host(_agent.NodeAgent(node, stop), _agent.AGENT, trusted_only=True)
+        agent = _agent.NodeAgent(node, stop)
+        await node.host(agent, _agent.AGENT, trusted_only=True)
         registry: ActorRef[_agent.Registry] = ActorRef(_agent.REGISTRY, join, node=node)
         async with asyncio.timeout(join_timeout):
             config = await registry.call("join", node.address, name, os.getpid(), socket.gethostname(), token)
         parent_timeout = float(config.get("heartbeat_timeout", parent_timeout))
         log.info("worker %s: joined %s, serving at %s", name, join, node.address)
-        return await _serve(node, join, stop, parent_timeout)
+        return await _serve(node, join, stop, parent_timeout, agent)
     finally:
         await _close(node, name, shutdown_timeout)
 
 
-async def _serve(node: Node, join: str, stop: asyncio.Event, parent_timeout: float) -> str:
+async def _serve(node: Node, join: str, stop: asyncio.Event, parent_timeout: float, agent: _agent.NodeAgent) -> str:
     loop = asyncio.get_running_loop()
     reason = "shutdown"
 
@@ -103,7 +104,7 @@ async def _serve(node: Node, join: str, stop: asyncio.Event, parent_timeout: flo
     def on_broken(peer: str, error: Exception) -> None:
         # The system's link dropped (its process died): no need to wait for heartbeats to stop.
         nonlocal reason
-        if peer == join and not stop.is_set():
+        if peer == join and not stop.is_set() and not agent.shutting_down:
             log.error("[shutdown] worker %s: step=orphaned system link broken: %s", node.name, error)
             reason = "orphaned"
             stop.set()
@@ -116,7 +117,7 @@ async def _serve(node: Node, join: str, stop: asyncio.Event, parent_timeout: flo
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), check)
             silent = time.monotonic() - node.last_heard.get(join, 0.0)
-            if not stop.is_set() and silent > parent_timeout:
+            if not stop.is_set() and not agent.shutting_down and silent > parent_timeout:
                 log.error("[shutdown] worker %s: step=orphaned system silent for %.1fs", node.name, silent)
                 reason = "orphaned"
                 stop.set()

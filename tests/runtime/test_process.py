@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import signal
 import time
@@ -15,9 +16,10 @@ from digenrl.actors import ActorRef, ActorSystem
 from digenrl.errors import ActorDied, RemoteError
 
 
-async def test_process_actors_serve_and_shut_down_cleanly(tmp_path) -> None:
+async def test_process_actors_serve_and_shut_down_cleanly(tmp_path, caplog) -> None:
+    caplog.set_level(logging.INFO, logger="digenrl")
     marker = tmp_path / "cleanup.txt"
-    async with ActorSystem(heartbeat_interval=0.2, heartbeat_timeout=1.5) as system:
+    async with ActorSystem(heartbeat_interval=0.2, heartbeat_timeout=1.5, shutdown_timeout=3.0) as system:
         c, w = await asyncio.gather(
             system.spawn(Counter, name="counter", process=True),
             system.spawn(Cruncher, str(marker), name="cruncher", process=True),
@@ -46,9 +48,21 @@ async def test_process_actors_serve_and_shut_down_cleanly(tmp_path) -> None:
         assert (await busy).startswith("digenrl-cruncher")
         assert await c.add.call(0) == 1275  # nobody was declared dead meanwhile
         assert len(system._workers) == 2
+        # Shut down while a compute call holds the cruncher far past the deadline: the drain times
+        # out, the call is aborted, cleanup still runs, and the process exits although its compute
+        # thread cannot be interrupted.
+        stuck = w.busy.call(120)
+        queued = c.sleep.call(0.2)  # finishes within the deadline: drained, not aborted
+    assert await queued == "slept"
+    with pytest.raises((RemoteError, ActorDied)):
+        await stuck
     for pid in pids:
         assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
     assert marker.read_text() == "cleanup exc=None"
+    shutdown = [r.getMessage() for r in caplog.records if "[shutdown]" in r.getMessage()]
+    for name in ("counter", "cruncher"):
+        assert any(f"Process digenrl-{name}: step=exited" in m and "code 0" in m for m in shutdown), shutdown
+    assert shutdown[-1] == "[shutdown] ActorSystem system: step=closed"
 
 
 async def test_setup_failure_in_a_process_reaches_the_spawner() -> None:
@@ -62,7 +76,8 @@ async def test_setup_failure_in_a_process_reaches_the_spawner() -> None:
         assert not system._workers  # its process was stopped (the fixture checks it is gone)
 
 
-async def test_killed_or_hung_process_raises_actor_died() -> None:
+async def test_killed_or_hung_process_raises_actor_died(caplog) -> None:
+    caplog.set_level(logging.INFO, logger="digenrl")
     async with ActorSystem(heartbeat_interval=0.2, heartbeat_timeout=2.0, shutdown_timeout=3.0) as system:
         a, b = await asyncio.gather(
             system.spawn(Counter, name="victim", process=True),
@@ -96,3 +111,7 @@ async def test_killed_or_hung_process_raises_actor_died() -> None:
         assert info.value.actor == "bystander"
         assert "no heartbeat" in info.value.reason or "transport broken" in info.value.reason
     assert not psutil.pid_exists(b_pid) or psutil.Process(b_pid).status() == psutil.STATUS_ZOMBIE
+    # A stopped process ignores SIGTERM: the ladder went on to SIGKILL.
+    steps = [r.getMessage() for r in caplog.records if "Process digenrl-bystander" in r.getMessage()]
+    assert [m.split()[3] for m in steps] == ["step=terminate", "step=kill", "step=exited"], steps
+    assert "was killed by SIGKILL" in steps[-1]
