@@ -92,11 +92,20 @@ class CostModel:
     params: CostParams
     roles: dict[str, Role]
     _node: dict[str, int] = field(default_factory=dict)
+    _train_side: int = 1  # devices holding a training shard (trainers or hybrids)
+    _k: dict[str, float] = field(default_factory=dict)  # per-token constants, computed once
 
     def __post_init__(self) -> None:
         missing = set(self.roles) - set(self.specs)
         if missing:
             raise ConfigError(f"devices without a catalog entry: {sorted(missing)}")
+        prof = self.profile
+        self._k = {
+            "roll": prof.cfg_rollout * prof.forward_flops, "text": prof.text_flops,
+            "reward": prof.decode_flops + prof.reward_flops, "latent": prof.latent_bytes,
+            "train": prof.cfg_train * TRAIN_PASSES * prof.forward_flops,
+        }
+        self._train_side = sum(1 for r in self.roles.values() if r in (Role.HYBRID, Role.TRAINER)) or 1
         # Devices fill nodes of GPUS_PER_NODE in the order given, one device type per node.
         counts: dict[str, int] = {}
         for name, spec in self.specs.items():
@@ -135,15 +144,15 @@ class CostModel:
         if spec is None:
             raise ConfigError(f"device {device.name!r} has no catalog entry in this cost model")
         kind = token.kind
-        p, prof = self.params, self.profile
+        p, k = self.params, self._k
         if kind is TokenKind.ROLLOUT:
             steps = token.step_end - token.step_start
-            flops = token.num_samples * steps * prof.cfg_rollout * prof.forward_flops
-            if token.step_start == 0:
-                flops += sum(f.num_prompts for f in token.fragments) * prof.text_flops
+            flops = token.num_samples * steps * k["roll"]
+            if token.step_start == 0 and k["text"]:
+                flops += sum(f.num_prompts for f in token.fragments) * k["text"]
             return self._compute(flops, spec, p.mfu_rollout) + steps * p.pass_latency_s + self._pull(token, device)
         if kind is TokenKind.REWARD:
-            flops = token.num_samples * (prof.decode_flops + prof.reward_flops)
+            flops = token.num_samples * k["reward"]
             return self._compute(flops, spec, p.mfu_rollout) + p.pass_latency_s + self._pull(token, device)
         if kind is TokenKind.TRAIN:
             return self._train(token, device, spec)
@@ -160,20 +169,19 @@ class CostModel:
         seconds = 0.0
         for fragment, source in zip(token.fragments, token.sources):
             if source and source != device.name and source in self.specs:
-                size = fragment.num_samples * self.profile.latent_bytes
+                size = fragment.num_samples * self._k["latent"]
                 seconds += size / self.link_bytes_per_s(source, device.name)
         return seconds
 
     def _train(self, token: Token, device: Device, spec: DeviceSpec) -> float:
-        p, prof = self.params, self.profile
-        flops = token.transitions * prof.cfg_train * TRAIN_PASSES * prof.forward_flops
-        seconds = self._compute(flops, spec, p.mfu_train)
+        p = self.params
+        seconds = self._compute(token.transitions * self._k["train"], spec, p.mfu_train)
         if token.packed:
             seconds *= 1.0 - p.tsp_train_saving
         if self.roles.get(device.name) is Role.TRAINER:
             # x_i and x_{i+1} of every row cross the network from the rollout side (pessimistic: the
             # rows of one sample share latents, and a same-node source would use NVLink).
-            seconds += token.transitions * 2 * prof.latent_bytes / spec.net_bytes_per_s
+            seconds += token.transitions * 2 * self._k["latent"] / spec.net_bytes_per_s
         return seconds + p.pass_latency_s
 
     def _optim(self, token: Token, spec: DeviceSpec) -> float:
@@ -194,8 +202,7 @@ class CostModel:
         """One colocated phase switch: the rollout engine's full bf16 weights one way over PCIe
         (vLLM sleep/wake) and the FSDP parameter shard the other way."""
         spec = self.specs[name]
-        hybrids = sum(1 for r in self.roles.values() if r in (Role.HYBRID, Role.TRAINER)) or 1
-        moved = self.profile.weight_bytes * (1.0 + 1.0 / hybrids)
+        moved = self.profile.weight_bytes * (1.0 + 1.0 / self._train_side)
         return moved / (spec.pcie_bytes_per_s * self.params.pcie_efficiency)
 
     def tag_switch_seconds(self, name: str) -> float:

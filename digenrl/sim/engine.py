@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from digenrl.errors import DigenrlError
 from digenrl.schedule.base import Device, Role, Schedule, Token, TokenDone, TokenKind, Workload
@@ -27,9 +28,12 @@ class SimulationError(DigenrlError):
     """The schedule broke the driver contract (busy device, unknown device) or stalled."""
 
 
-@dataclass(frozen=True, slots=True)
-class Span:
-    """One device running one token (or a TAG switch) over ``[start, end)`` virtual seconds."""
+class Span(NamedTuple):
+    """One device running one token (or a TAG switch) over ``[start, end)`` virtual seconds.
+
+    A NamedTuple rather than a frozen dataclass: a 1024-GPU run records over a million spans, and
+    tuple construction is several times cheaper.
+    """
 
     device: str
     kind: TokenKind
