@@ -121,7 +121,7 @@ class WeightStore:
     def __init__(self, model: Any, version: int = 0, keep: int = 3) -> None:
         self.model = model
         self.keep = max(2, keep)
-        self.loaded = version
+        self.loaded: int | None = version
         self._versions: dict[int, dict[str, torch.Tensor]] = {version: trainable_state_dict(model)}
         self._lock = threading.Lock()
         self.swaps = 0
@@ -135,6 +135,8 @@ class WeightStore:
         """Keep ``sd`` as ``version``; the oldest versions beyond ``keep`` are dropped."""
         with self._lock:
             self._versions[version] = {k: v.clone() for k, v in sd.items()}
+            if version == self.loaded:  # re-published (e.g. after a resume): reload before the next use
+                self.loaded = None
             for old in sorted(self._versions)[: -self.keep]:
                 if old != self.loaded:
                     del self._versions[old]
