@@ -29,6 +29,7 @@ import enum
 import functools
 import logging
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -76,6 +77,7 @@ class ActorHost:
         self.state = State.STARTING
         self.ref: ActorRef[Any] = ActorRef(name, node.address, actor_class=type(actor), node=node)
         actor._digenrl_ref = self.ref
+        actor._digenrl_thread = self.run_in_thread
         self._mailbox: asyncio.Queue[_Request | None] = asyncio.Queue()
         self._inflight: dict[tuple[str, int], _Request] = {}
         self._control: set[asyncio.Task[None]] = set()
@@ -231,9 +233,18 @@ class ActorHost:
             self._forget(req)
 
     async def _run_compute(self, req: _Request) -> Any:
+        return await self.run_in_thread(functools.partial(req.endpoint.fn, self.actor, *req.args, **req.kwargs))
+
+    async def run_in_thread(self, fn: Callable[[], Any]) -> Any:
+        """Run ``fn`` in this actor's single worker thread (created on first use).
+
+        Raises:
+            RuntimeError: the actor is closed (its thread is gone).
+        """
+        if self._cleaned:
+            raise RuntimeError(f"actor {self.name!r} is closed; its worker thread is gone")
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"digenrl-{self.name}")
-        fn = functools.partial(req.endpoint.fn, self.actor, *req.args, **req.kwargs)
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn)
 
     def _reply_unsendable(self, req: _Request, where: str, exc: BaseException) -> None:

@@ -225,12 +225,16 @@ class Node:
             self._dispatch(msg, local=False)
 
     def _dispatch(self, msg: Message, *, local: bool) -> None:
-        self.last_heard[msg.src] = time.monotonic()
+        if msg.src in self.last_heard:  # only peers someone watches (no growth from spoofed senders)
+            self.last_heard[msg.src] = time.monotonic()
         try:
-            parsed = _wire.parse(msg.header, msg.payload)
+            self._dispatch_parsed(msg, _wire.parse(msg.header, msg.payload), local)
         except ProtocolError as exc:
             self._reject(msg, exc)
-            return
+        except Exception as exc:  # e.g. RecursionError on absurd nesting: drop it, keep routing
+            self.bad_input(msg.src, f"{type(exc).__name__}: {exc}")
+
+    def _dispatch_parsed(self, msg: Message, parsed: _wire.Parsed, local: bool) -> None:
         kind, header = parsed.kind, parsed.header
         if kind in ("call", "tell"):
             args = parsed.args if local else decode_refs(list(parsed.args), self)

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import functools
 import inspect
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, Concatenate, Generic, ParamSpec, Protocol, Self, TypeVar, overload
@@ -130,6 +131,8 @@ class _LocalEndpoint(Generic[P, R]):
 
     def call(self, *args: P.args, **kwargs: P.kwargs) -> asyncio.Future[R]:
         self._ep.check_args(args, kwargs)
+        if self._ep.compute and isinstance(self._obj, Actor):
+            return asyncio.ensure_future(self._obj.in_thread(self._ep.fn, self._obj, *args, **kwargs))
         return asyncio.ensure_future(self._ep.invoke(self._obj, args, kwargs))
 
     def tell(self, *args: P.args, **kwargs: P.kwargs) -> None:
@@ -196,6 +199,7 @@ class Actor:
 
     endpoints: ClassVar[dict[str, Endpoint[..., Any]]] = {}
     _digenrl_ref: ActorRef[Any] | None = None
+    _digenrl_thread: Callable[[Callable[[], Any]], Awaitable[Any]] | None = None  # set by the host
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -218,6 +222,18 @@ class Actor:
 
     async def __cleanup__(self, exc: BaseException | None) -> None:
         """Release what ``setup`` acquired. Runs once, also after a failed ``setup``."""
+
+    async def in_thread(self, fn: Callable[P, R], /, *args: P.args, **kwargs: P.kwargs) -> R:
+        """Run ``fn(*args, **kwargs)`` in this actor's worker thread (the one compute endpoints use).
+
+        For an ``async`` endpoint that interleaves awaits (fetching inputs, calling peers) with
+        heavy steps: the heavy steps run off the event loop, always on the same thread, so torch's
+        thread-local state stays put. Outside a host (plain unit tests) it uses ``asyncio.to_thread``.
+        """
+        call = functools.partial(fn, *args, **kwargs)
+        if self._digenrl_thread is None:
+            return await asyncio.to_thread(call)
+        return await self._digenrl_thread(call)  # type: ignore[no-any-return]
 
     @property
     def ref(self) -> ActorRef[Self]:
@@ -251,6 +267,11 @@ class ActorRef(Generic[A]):
     def call(self, method: str, /, *args: Any, **kwargs: Any) -> asyncio.Future[Any]:
         """Call endpoint ``method`` and return a future of its result (the message is already queued).
 
+        Arguments are encoded when the node's sender takes the message, an instant later, and
+        tensors are sent zero-copy: do not modify argument tensors in place before the reply
+        arrives (for ``tell``, pass tensors you will not modify, or a clone). In-process actors
+        receive the very objects passed, without a copy.
+
         Raises:
             AttributeError: the actor class is known and has no such endpoint.
             RuntimeError: no ActorSystem or worker node is running in this context.
@@ -264,6 +285,7 @@ class ActorRef(Generic[A]):
         Raises:
             AttributeError: the actor class is known and has no such endpoint.
             RuntimeError: no ActorSystem or worker node is running in this context.
+            ActorDied: the actor is already known to be dead.
         """
         self._check_method(method)
         self._bound_node().tell(self, method, args, kwargs)

@@ -338,6 +338,7 @@ class ActorSystem:
         log.error("ActorSystem %s: worker %s (actors: %s) died: %s",
                   self.name, worker.name, ", ".join(sorted(worker.actors)) or "none", reason)
         node.mark_dead(worker.address, reason)
+        node.last_heard.pop(worker.address, None)
         for other in self._workers.values():
             node.send(other.address, {"k": "dead", "a": worker.address, "why": reason})
         if worker.process is not None and worker.process.returncode is None:

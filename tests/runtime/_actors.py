@@ -98,6 +98,14 @@ class Cruncher(Actor):
             sum(range(1000))
         return threading.current_thread().name
 
+    @endpoint
+    async def staged(self) -> list[str]:
+        """An async endpoint that offloads its heavy part to the actor's worker thread."""
+        first = await self.in_thread(lambda: threading.current_thread().name)
+        await asyncio.sleep(0)
+        second = await self.in_thread(lambda: threading.current_thread().name)
+        return [first, second, threading.current_thread().name]
+
     @endpoint(control=True)
     async def poke(self) -> int:
         self.controls += 1

@@ -148,6 +148,8 @@ async def test_control_endpoints_run_while_compute_holds_the_mailbox(system: Act
     assert await crunch == 42
     thread = await queued
     assert thread.startswith("digenrl-w")  # compute runs in the actor's own worker thread
+    first, second, loop_thread = await w.staged.call()
+    assert first == second == thread != loop_thread  # in_thread: the same worker thread
 
 
 async def test_cancelled_call_is_cancelled_remotely(system: ActorSystem) -> None:

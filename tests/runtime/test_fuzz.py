@@ -55,8 +55,13 @@ def _fuzz_messages(rng: random.Random) -> tuple[list[list[bytes]], dict[int, str
         elif kind == 7:  # wrong argument count: must be answered, naming the method
             must_answer[20_000 + n] = "target.add"
             out.append(_valid_call(20_000 + n, "add", [1, 2, 3]))
-        elif kind == 8:  # call payload of the wrong shape, or to an unknown actor
-            if n % 20 == 8:
+        elif kind == 8:  # call payload of the wrong shape, absurdly nested, or to an unknown actor
+            if n % 40 == 18:  # [[[[...1...]]]] nested 900 or 5000 deep, written by hand (packb refuses)
+                deep = b"\x91" * rng.choice([900, 5000]) + b"\x01"
+                head = {"k": "call", "i": 1, "to": "target", "m": "add"}
+                out.append([b"\x94" + msgpack.packb(codec.PROTOCOL_VERSION) + b"\x00" + msgpack.packb(head)
+                            + b"\x92\x91" + deep + b"\x80"])
+            elif n % 20 == 8:
                 must_answer[20_000 + n] = "nobody.add"
                 out.append(_valid_call(20_000 + n, "add", [1], to="nobody"))
             else:
