@@ -180,6 +180,10 @@ class Node:
 
     # -- background tasks ------------------------------------------------------------------------
     def _enqueue(self, out: _Out) -> None:
+        if out.dst == self.address:  # in-process: no codec, no task; call_soon keeps the order
+            msg = Message(self.address, out.header, out.payload)
+            asyncio.get_running_loop().call_soon(self._dispatch_local, msg)
+            return
         queue = self._queues.setdefault(out.dst, collections.deque())
         queue.append(out)
         if out.dst not in self._senders:
@@ -195,10 +199,11 @@ class Node:
             if not queue:
                 self._queues.pop(dst, None)
 
+    def _dispatch_local(self, msg: Message) -> None:
+        if not self._closed:
+            self._dispatch(msg, local=True)
+
     async def _send_one(self, out: _Out) -> None:
-        if out.dst == self.address:
-            self._dispatch(Message(self.address, out.header, out.payload), local=True)
-            return
         try:
             await self.transport.send(out.dst, out.header, encode_refs(out.payload))
         except asyncio.CancelledError:

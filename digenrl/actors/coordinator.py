@@ -246,6 +246,9 @@ class Coordinator:
             out = (await asyncio.gather(*calls))[0]
         else:
             out = await self.refs[lead].publish.call(version, self.rollouts)
+            for name in out.get("failed", []):
+                # Supervision may not have reported it yet; the receiver's ActorDied is proof enough.
+                self._died(name, "died while receiving weights")
         out.setdefault("t0", t0)
         return out
 

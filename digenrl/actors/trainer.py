@@ -29,7 +29,7 @@ from digenrl.actors.base import Actor, endpoint
 from digenrl.actors.rollout import FragmentData, FragmentEngine, GenerationMixin, build_model, probe_velocity
 from digenrl.actors.weights import pack_buckets, state_digest
 from digenrl.config import config_from_dict
-from digenrl.errors import StalenessViolation
+from digenrl.errors import ActorDied, StalenessViolation
 from digenrl.models import cat_cond, reference
 from digenrl.models.lora import load_trainable, save_trainable, trainable_state_dict
 from digenrl.rl.loss import LossConfig
@@ -237,6 +237,8 @@ class TrainerActor(GenerationMixin, Actor):
     async def publish(self, version: int, rollouts: list[str]) -> dict[str, Any]:
         """Send this trainer's weights, stamped ``version``, to ``rollouts`` (zmq lane).
 
+        Returns the span, the bytes sent per receiver and ``failed``: receivers found dead.
+
         Raises:
             StalenessViolation: this trainer does not hold ``version``.
         """
@@ -244,8 +246,15 @@ class TrainerActor(GenerationMixin, Actor):
         if version != self.version:
             raise StalenessViolation(f"{self.name} holds version {self.version}, asked to publish {version}")
         layout, buckets = pack_buckets(trainable_state_dict(self.model), self.bucket_mb)
-        await asyncio.gather(*(self.peers[r].receive_weights.call(version, layout, buckets) for r in rollouts))
-        return {"t0": t0, "t1": time.time(), "bytes": sum(b.numel() * b.element_size() for b in buckets)}
+        results = await asyncio.gather(*(self.peers[r].receive_weights.call(version, layout, buckets) for r in rollouts),
+                                       return_exceptions=True)
+        # A receiver that died is the coordinator's business (it re-plans); any other failure is a bug.
+        failed = [r for r, res in zip(rollouts, results, strict=True) if isinstance(res, ActorDied)]
+        for res in results:
+            if isinstance(res, BaseException) and not isinstance(res, ActorDied):
+                raise res
+        return {"t0": t0, "t1": time.time(), "bytes": sum(b.numel() * b.element_size() for b in buckets),
+                "failed": failed}
 
     @endpoint
     async def publish_dist(self, version: int) -> dict[str, Any]:
