@@ -1,0 +1,132 @@
+"""End to end: the disaggregated recipe over real processes and ZeroMQ, faults, and exact resume."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import os
+import signal
+from pathlib import Path
+
+import psutil
+import pytest
+
+from digenrl.actors.coordinator import RunStopped
+from digenrl.recipes.checkpoint import find_checkpoint, load_state
+from digenrl.recipes.disagg_config import load_disagg_config
+from digenrl.recipes.disaggregated import arun_disaggregated
+from digenrl.recipes.observe import METRIC_KEYS
+
+CONFIG = Path(__file__).resolve().parents[2] / "configs" / "tiny-disagg.toml"
+ROWS = 8 * 4 * 7  # prompts x group x trained steps of one logical batch
+
+
+def _load(*overrides: str):
+    return load_disagg_config(CONFIG, list(overrides))
+
+
+def _pid_of(title: str) -> int | None:
+    for p in psutil.process_iter(["pid", "cmdline"]):
+        if any(title in part for part in p.info["cmdline"] or []):
+            return p.info["pid"]
+    return None
+
+
+def _lines(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+async def test_short_run_over_processes_writes_every_artifact(tmp_path: Path) -> None:
+    cfg, settings = _load("train.iterations=3", "log.image_every=2", "log.checkpoint_every=1")
+    titles: dict[str, int | None] = {}
+
+    def on_step(m: dict) -> None:
+        for role in ("digenrl-rollout-0", "digenrl-trainer-0"):
+            titles[role] = titles.get(role) or _pid_of(role)
+
+    history = await arun_disaggregated(cfg, tmp_path, settings=settings, on_step=on_step)
+    assert all(titles.values()) and len(set(titles.values())) == 2 and os.getpid() not in titles.values()
+    lines = _lines(tmp_path)
+    assert [m["step"] for m in lines] == [0, 1, 2] == [m["step"] for m in history]
+    for m in lines:
+        assert set(METRIC_KEYS) <= set(m)
+        assert set(m["bubble_ratio"]) == {"rollout-0", "trainer-0", "overall"}
+        assert all(0.0 <= v <= 1.0 for v in m["bubble_ratio"].values())
+        assert math.isfinite(m["reward_mean"]) and 0 <= m["reward_mean"] <= 1
+        assert m["rows_trained"] == ROWS and m["max_staleness"] == 0 and m["samples_per_s"] > 0
+    trace = json.loads((tmp_path / "trace.json").read_text())
+    spans = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    threads = {e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "thread_name"}
+    assert threads == {"rollout-0", "trainer-0"}
+    assert {"rollout", "reward", "train", "optim", "publish"} <= {e["cat"] for e in spans}
+    assert all(e["dur"] >= 0 and e["ts"] >= 0 for e in spans)
+    for name in ("gantt.png", "summary.json", "samples/step_00000.png", "samples/step_00002.png"):
+        assert (tmp_path / name).is_file(), name
+    assert find_checkpoint(tmp_path).name == "step-000003"
+
+
+async def test_killed_rollout_actor_its_work_is_reissued_and_nothing_is_lost(tmp_path: Path) -> None:
+    cfg, settings = _load("train.iterations=3", "log.image_every=0", "log.checkpoint_every=0")
+    killed: list[int] = []
+
+    def on_step(m: dict) -> None:
+        if m["step"] == 0:
+            pid = _pid_of("digenrl-rollout-0")
+            assert pid is not None
+            # Shortly after: the rollout actor is then in the middle of batch 1's tokens.
+            asyncio.get_running_loop().call_later(0.4, os.kill, pid, signal.SIGKILL)
+            killed.append(pid)
+
+    history = await arun_disaggregated(cfg, tmp_path, settings=settings, on_step=on_step)
+    assert killed, "the rollout actor was never killed"
+    assert not psutil.pid_exists(killed[0]) or psutil.Process(killed[0]).status() == psutil.STATUS_ZOMBIE
+    assert [m["step"] for m in history] == [0, 1, 2]
+    assert all(m["rows_trained"] == ROWS and math.isfinite(m["reward_mean"]) for m in history)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["lost_devices"] == ["rollout-0"]
+    trace = json.loads((tmp_path / "trace.json").read_text())
+    tids = {e["args"]["name"]: e["tid"] for e in trace["traceEvents"] if e["name"] == "thread_name"}
+    helped = [e for e in trace["traceEvents"] if e["ph"] == "X" and e["tid"] == tids["trainer-0"]
+              and e["cat"] == "rollout" and e["args"]["batch"] == 2]
+    assert helped, "after the rollout actor died the trainer must generate (TAG)"
+
+
+async def test_resume_continues_exactly_like_an_uninterrupted_run(tmp_path: Path) -> None:
+    common = ("transport.actors=inproc", "schedule.name=disaggregated", "rollout.prompts_per_batch=4",
+              "rollout.num_steps=4", "log.image_every=0", "log.checkpoint_every=1")
+    cfg3, settings = _load("train.iterations=3", *common)
+    cfg2, _ = _load("train.iterations=2", *common)
+    whole = await arun_disaggregated(cfg3, tmp_path / "whole", settings=settings)
+    await arun_disaggregated(cfg2, tmp_path / "cut", settings=settings)
+    assert load_state(find_checkpoint(tmp_path / "cut"))["version"] == 2
+    resumed = await arun_disaggregated(cfg3, tmp_path / "cut", resume=tmp_path / "cut", settings=settings)
+    assert [m["step"] for m in resumed] == [0, 1, 2] == [m["step"] for m in _lines(tmp_path / "cut")]
+    keys = ("reward_mean", "reward_std", "clipfrac", "approx_kl", "kl", "zero_std_ratio", "grad_norm", "policy_loss")
+    for a, b in zip(whole, resumed, strict=True):
+        assert {k: a[k] for k in keys} == {k: b[k] for k in keys}
+    assert whole[2]["grad_norm"] > 0
+
+
+@pytest.mark.slow
+async def test_killed_trainer_stops_cleanly_and_the_run_resumes(tmp_path: Path) -> None:
+    cfg, settings = _load("train.iterations=3", "log.image_every=0", "log.checkpoint_every=1")
+
+    def on_step(m: dict) -> None:
+        if m["step"] == 1:
+            pid = _pid_of("digenrl-trainer-0")
+            asyncio.get_running_loop().call_later(0.3, os.kill, pid, signal.SIGKILL)
+
+    with pytest.raises(RunStopped, match="trainer trainer-0 died.*resume with --resume"):
+        await arun_disaggregated(cfg, tmp_path, settings=settings, on_step=on_step)
+    ckpt = find_checkpoint(tmp_path)
+    assert ckpt.name == "step-000002" and load_state(ckpt)["version"] == 2
+    history = await arun_disaggregated(cfg, tmp_path, resume=tmp_path, settings=settings)
+    assert [m["step"] for m in history] == [0, 1, 2]
+
+
+@pytest.mark.slow
+async def test_weights_over_torch_distributed_gloo(tmp_path: Path) -> None:
+    cfg, settings = _load("train.iterations=2", "transport.weights=torchdist", "log.image_every=0")
+    history = await arun_disaggregated(cfg, tmp_path, settings=settings)
+    assert [m["rows_trained"] for m in history] == [ROWS, ROWS]
