@@ -1,0 +1,364 @@
+"""Typed run configuration: frozen dataclasses mirroring the TOML tables, validated at load time.
+
+A config file has one table per role, kept apart from placement::
+
+    [model] [rollout] [train] [reward] [data] [schedule] [placement] [transport] [log]
+
+:func:`load_config` reads it with ``tomllib``, applies ``--set table.key=value`` overrides, and
+builds :class:`Config`. Every problem (unknown table or key, wrong type, a value outside its allowed
+set or range) raises :class:`~digenrl.errors.ConfigError` naming the key and what is allowed, before
+any model is built. Later issues extend a table by adding fields to its dataclass; unknown keys stay
+errors, so a typo never silently falls back to a default.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from digenrl.errors import ConfigError
+
+__all__ = [
+    "ModelConfig",
+    "RolloutConfig",
+    "TrainConfig",
+    "RewardConfig",
+    "DataConfig",
+    "ScheduleConfig",
+    "PlacementConfig",
+    "TransportConfig",
+    "LogConfig",
+    "Config",
+    "load_config",
+    "config_from_dict",
+    "parse_override",
+    "apply_overrides",
+]
+
+
+def _choice(key: str, value: object, allowed: tuple[object, ...]) -> None:
+    if value not in allowed:
+        raise ConfigError(f"{key}: {value!r} is not allowed; allowed: {', '.join(map(repr, allowed))}")
+
+
+def _check(key: str, ok: bool, what: str, value: object) -> None:
+    if not ok:
+        raise ConfigError(f"{key}: must be {what}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """``[model]``: which generator, how it is trained (LoRA or full), precision."""
+
+    name: str = "qwenimage"
+    preset: str = "tiny"
+    path: str = ""  # local diffusers directory for preset = "pretrained"
+    resolution: list[int] = field(default_factory=lambda: [64, 64])
+    num_frames: int = 1
+    guidance_scale: float = 1.0
+    dtype: str = "float32"
+    device: str = "cpu"
+    seed: int = 0
+    finetune: str = "lora"
+    lora_rank: int = 8
+    lora_alpha: float = 16.0
+    # "signal": re-draw a random preset's VAE decoder convs (He init) so pixels depend on the latent;
+    # see digenrl/recipes/_toy.py. Never applies to pretrained weights.
+    vae_init: str = "default"
+
+    def __post_init__(self) -> None:
+        from digenrl.models import MODEL_NAMES, PRESETS
+
+        _choice("model.vae_init", self.vae_init, ("default", "signal"))
+        _check("model.vae_init", self.vae_init == "default" or self.preset != "pretrained",
+               "'default' for pretrained weights", self.vae_init)
+
+        _choice("model.name", self.name, MODEL_NAMES)
+        _choice("model.preset", self.preset, PRESETS)
+        _check("model.path", self.preset != "pretrained" or bool(self.path), "set for preset 'pretrained'", self.path)
+        _check("model.resolution", len(self.resolution) == 2 and all(r > 0 for r in self.resolution),
+               "[height, width] of positive ints", self.resolution)
+        _check("model.num_frames", self.num_frames >= 1, ">= 1", self.num_frames)
+        _choice("model.dtype", self.dtype, ("float32", "bfloat16", "float16"))
+        _choice("model.finetune", self.finetune, ("lora", "full"))
+        _check("model.lora_rank", self.lora_rank >= 1, ">= 1", self.lora_rank)
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    """``[rollout]``: the SDE sampler and which steps are stochastic / trained."""
+
+    num_steps: int = 8
+    noise_level: float = 0.7
+    sde: str = "sde"
+    steps: str = "all_but_last"
+    window: int = 2
+    fraction: float = 0.6
+    group_size: int = 4
+    prompts_per_batch: int = 8
+
+    def __post_init__(self) -> None:
+        from digenrl.rl.sde import SDE_KINDS
+        from digenrl.rl.steps import STEP_MODES
+
+        _check("rollout.num_steps", self.num_steps >= 2, ">= 2", self.num_steps)
+        _check("rollout.noise_level", self.noise_level > 0, "> 0 (trained steps need noise)", self.noise_level)
+        _choice("rollout.sde", self.sde, SDE_KINDS)
+        _choice("rollout.steps", self.steps, STEP_MODES)
+        _check("rollout.window", 1 <= self.window <= self.num_steps - 1, f"in 1..{self.num_steps - 1}", self.window)
+        _check("rollout.fraction", 0 < self.fraction <= 1, "in (0, 1]", self.fraction)
+        _check("rollout.group_size", self.group_size >= 2, ">= 2 (advantages compare within a group)", self.group_size)
+        _check("rollout.prompts_per_batch", self.prompts_per_batch >= 1, ">= 1", self.prompts_per_batch)
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """``[train]``: loss, advantages and optimizer."""
+
+    iterations: int = 30
+    lr: float = 3e-4
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    weight_decay: float = 1e-4
+    eps: float = 1e-8
+    max_grad_norm: float = 1.0
+    clip_range: float = 1e-4
+    kl_beta: float = 0.0
+    kl: str = "exact"
+    adv_std: str = "global"
+    adv_clip: float = 5.0
+    rows_per_pass: int = 0  # 0 = all trained transitions of the batch in one TSP pass
+    control: str = "none"  # "shuffled": advantages permuted across samples (negative control)
+
+    def __post_init__(self) -> None:
+        _check("train.iterations", self.iterations >= 1, ">= 1", self.iterations)
+        _check("train.lr", self.lr > 0, "> 0", self.lr)
+        _check("train.betas", len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas), "two values in [0, 1)", self.betas)
+        _check("train.weight_decay", self.weight_decay >= 0, ">= 0", self.weight_decay)
+        _check("train.max_grad_norm", self.max_grad_norm > 0, "> 0", self.max_grad_norm)
+        _check("train.clip_range", self.clip_range > 0, "> 0", self.clip_range)
+        _check("train.kl_beta", self.kl_beta >= 0, ">= 0", self.kl_beta)
+        _choice("train.kl", self.kl, ("exact", "g2"))
+        _choice("train.adv_std", self.adv_std, ("global", "group"))
+        _check("train.adv_clip", self.adv_clip > 0, "> 0", self.adv_clip)
+        _check("train.rows_per_pass", self.rows_per_pass >= 0, ">= 0", self.rows_per_pass)
+        _choice("train.control", self.control, ("none", "shuffled", "negated"))
+
+
+@dataclass(frozen=True)
+class RewardConfig:
+    """``[reward]``: weighted rewards and the failure policy."""
+
+    weights: dict[str, float] = field(default_factory=lambda: {"color": 1.0})
+    url: str = ""
+    timeout: float = 30.0
+    retries: int = 2
+    image_format: str = "png"
+    on_error: str = "raise"
+    penalty: float = -1.0
+
+    def __post_init__(self) -> None:
+        from digenrl.rewards.registry import REWARD_NAMES
+
+        _check("reward.weights", bool(self.weights), "a non-empty table of name = weight", self.weights)
+        for name, w in self.weights.items():
+            _choice(f"reward.weights.{name}", name, REWARD_NAMES)
+            _check(f"reward.weights.{name}", isinstance(w, int | float), "a number", w)
+        _check("reward.url", "remote" not in self.weights or bool(self.url), "set when 'remote' is weighted", self.url)
+        _choice("reward.image_format", self.image_format, ("png", "raw"))
+        _choice("reward.on_error", self.on_error, ("raise", "penalty"))
+        _check("reward.timeout", self.timeout > 0, "> 0", self.timeout)
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """``[data]``: the prompts. A built-in set (``prompt_set``) or an explicit list (``prompts``)."""
+
+    prompt_set: str = "color"
+    prompts: list[str] = field(default_factory=list)
+    prompt_file: str = ""  # one prompt per line
+
+    def __post_init__(self) -> None:
+        from digenrl.recipes.prompts import PROMPT_SETS
+
+        if not self.prompts and not self.prompt_file:
+            _choice("data.prompt_set", self.prompt_set, tuple(PROMPT_SETS))
+
+
+@dataclass(frozen=True)
+class ScheduleConfig:
+    """``[schedule]``: how rollout and training interleave."""
+
+    mode: str = "colocated"
+    staleness: int = 0
+
+    def __post_init__(self) -> None:
+        _choice("schedule.mode", self.mode, ("colocated",))
+        _choice("schedule.staleness", self.staleness, (0, 1))
+
+
+@dataclass(frozen=True)
+class PlacementConfig:
+    """``[placement]``: processes and threads (one process in the colocated recipe)."""
+
+    processes: int = 1
+    threads: int = 2
+
+    def __post_init__(self) -> None:
+        _check("placement.processes", self.processes >= 1, ">= 1", self.processes)
+        _check("placement.threads", self.threads >= 1, ">= 1", self.threads)
+
+
+@dataclass(frozen=True)
+class TransportConfig:
+    """``[transport]``: how tensors move between processes (``inproc`` for one process)."""
+
+    kind: str = "inproc"
+
+    def __post_init__(self) -> None:
+        _choice("transport.kind", self.kind, ("inproc", "zmq", "torch_distributed", "cuda_ipc", "nccl"))
+
+
+@dataclass(frozen=True)
+class LogConfig:
+    """``[log]``: outputs."""
+
+    out: str = ""  # default runs/<timestamp>
+    image_every: int = 10  # 0 disables image grids
+    images_per_grid: int = 16
+    seed: int = 0  # run seed: prompts, noise, step windows
+
+    def __post_init__(self) -> None:
+        _check("log.image_every", self.image_every >= 0, ">= 0", self.image_every)
+        _check("log.images_per_grid", self.images_per_grid >= 1, ">= 1", self.images_per_grid)
+
+
+@dataclass(frozen=True)
+class Config:
+    """The whole run configuration."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    placement: PlacementConfig = field(default_factory=PlacementConfig)
+    transport: TransportConfig = field(default_factory=TransportConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain nested dict (TOML/JSON friendly)."""
+        return dataclasses.asdict(self)
+
+
+def _coerce(key: str, value: Any, tp: Any) -> Any:
+    """Check ``value`` against the annotation ``tp`` (ints widen to floats); raise ConfigError naming ``key``."""
+    origin = typing.get_origin(tp)
+    if origin in (types.UnionType, typing.Union):
+        for arm in typing.get_args(tp):
+            try:
+                return _coerce(key, value, arm)
+            except ConfigError:
+                continue
+        raise ConfigError(f"{key}: expected {tp}, got {value!r}")
+    if tp is float:
+        _check(key, isinstance(value, int | float) and not isinstance(value, bool), "a number", value)
+        return float(value)
+    if tp is int or tp is bool or tp is str:
+        ok = isinstance(value, tp) and (tp is bool or not isinstance(value, bool))
+        _check(key, ok, f"of type {tp.__name__}", value)
+        return value
+    if origin is list:
+        _check(key, isinstance(value, list), "a list", value)
+        (arm,) = typing.get_args(tp)
+        return [_coerce(f"{key}[{i}]", v, arm) for i, v in enumerate(value)]
+    if origin is dict:
+        _check(key, isinstance(value, dict), "a table", value)
+        _, arm = typing.get_args(tp)
+        return {k: _coerce(f"{key}.{k}", v, arm) for k, v in value.items()}
+    return value
+
+
+def _build(cls: type, table: Any, prefix: str) -> Any:
+    _check(prefix, isinstance(table, dict), "a table", table)
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    unknown = sorted(set(table) - set(names))
+    if unknown:
+        raise ConfigError(f"{prefix}.{unknown[0]}: unknown key; allowed in [{prefix}]: {', '.join(names)}")
+    kwargs = {k: _coerce(f"{prefix}.{k}", v, hints[k]) for k, v in table.items()}
+    return cls(**kwargs)
+
+
+def config_from_dict(data: dict[str, Any]) -> Config:
+    """Build and validate a :class:`Config` from nested tables.
+
+    Raises:
+        ConfigError: an unknown table or key, a wrong type, or a disallowed value.
+    """
+    tables = {f.name: f for f in dataclasses.fields(Config)}
+    unknown = sorted(set(data) - set(tables))
+    if unknown:
+        raise ConfigError(f"[{unknown[0]}]: unknown table; allowed: {', '.join(tables)}")
+    hints = typing.get_type_hints(Config)
+    return Config(**{name: _build(hints[name], data[name], name) for name in data})
+
+
+def parse_override(item: str) -> tuple[list[str], Any]:
+    """``"train.lr=1e-3"`` -> ``(["train", "lr"], 0.001)``. Values are TOML literals; bare words are strings.
+
+    Raises:
+        ConfigError: no ``=`` or no ``table.key``.
+    """
+    if "=" not in item:
+        raise ConfigError(f"--set {item!r}: expected table.key=value")
+    key, raw = item.split("=", 1)
+    path = key.strip().split(".")
+    if len(path) < 2 or not all(path):
+        raise ConfigError(f"--set {item!r}: the key must be table.key (e.g. train.lr=1e-3)")
+    try:
+        value = tomllib.loads(f"v = {raw.strip()}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw.strip()
+    return path, value
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Nested copy of ``data`` with each ``table.key=value`` applied.
+
+    Raises:
+        ConfigError: a malformed override.
+    """
+    import copy
+
+    out = copy.deepcopy(data)
+    for item in overrides:
+        path, value = parse_override(item)
+        node = out
+        for part in path[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"--set {item!r}: {part!r} is not a table")
+        node[path[-1]] = value
+    return out
+
+
+def load_config(path: str | Path, overrides: list[str] | None = None) -> Config:
+    """Read a TOML config, apply overrides, validate.
+
+    Raises:
+        ConfigError: the file is missing or not valid TOML, or any key/value is invalid.
+    """
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file {str(p)!r} does not exist")
+    try:
+        data = tomllib.loads(p.read_text())
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{p}: invalid TOML: {exc}") from exc
+    return config_from_dict(apply_overrides(data, overrides or []))

@@ -1,0 +1,261 @@
+"""The single-process reference loop (the colocated path): every step of a Flow-GRPO iteration in order.
+
+One iteration::
+
+    sample P prompts -> repeat each G times -> SDE rollout (store trained transitions, l_old)
+    -> decode -> reward -> group advantages (drop zero-std groups)
+    -> TSP-packed forward/backward over all trained transitions -> clip grad norm -> AdamW step
+
+It is a library call, ``train(config) -> history``, and the ``digenrl run`` command. It writes
+``metrics.jsonl`` (one JSON object per iteration), ``config.json``, image grids of samples every
+``log.image_every`` iterations and the trained weights, and reports each iteration to a callback (the CLI
+draws a rich progress display from it). Everything is seeded from ``log.seed``: prompts, initial noise,
+transition noise and step windows, so a run is reproducible.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from digenrl.config import Config
+from digenrl.models import GeneratorModel, load_model, repeat_cond
+from digenrl.models.lora import apply_lora, enable_full_finetune, reference, save_trainable
+from digenrl.recipes._toy import signal_preserving_decoder_init
+from digenrl.recipes.prompts import load_prompts
+from digenrl.rewards import build_reward
+from digenrl.rewards.base import GuardedReward
+from digenrl.rl.advantages import group_advantages
+from digenrl.rl.loss import LossConfig, reduce_stats
+from digenrl.rl.rollout import TransitionBatch, rollout_steps
+from digenrl.rl.steps import plan_steps
+from digenrl.rl.tsp import packed_backward
+
+__all__ = ["ColocatedRun", "setup", "train", "default_out_dir", "save_grid"]
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class ColocatedRun:
+    """Everything one run holds, built by :func:`setup`."""
+
+    cfg: Config
+    model: GeneratorModel
+    params: list[torch.nn.Parameter]
+    optimizer: torch.optim.Optimizer
+    reward: GuardedReward
+    prompts: list[str]
+    sigmas: torch.Tensor
+    loss_cfg: LossConfig
+    rng: random.Random
+
+
+def default_out_dir() -> Path:
+    """``runs/<timestamp>``."""
+    return Path("runs") / datetime.now().strftime("%Y%m%d-%H%M%S")
+
+
+def setup(cfg: Config) -> ColocatedRun:
+    """Build model (with LoRA or full fine-tuning), optimizer, reward and prompts.
+
+    Raises:
+        ConfigError: an invalid model, reward or data setting.
+    """
+    m = cfg.model
+    model = load_model(
+        m.name,
+        m.preset,
+        path=m.path or None,
+        device=m.device,
+        dtype=_DTYPES[m.dtype],
+        seed=m.seed,
+        resolution=(m.resolution[0], m.resolution[1]),
+        num_frames=m.num_frames if m.name in ("wan21", "hunyuanvideo") else None,
+        guidance_scale=m.guidance_scale,
+    )
+    if m.vae_init == "signal":
+        signal_preserving_decoder_init(model, seed=m.seed + 3)
+    if m.finetune == "lora":
+        params = apply_lora(model, rank=m.lora_rank, alpha=m.lora_alpha, seed=m.seed)
+    else:
+        params = enable_full_finetune(model)
+    t = cfg.train
+    opt = torch.optim.AdamW(params, lr=t.lr, betas=(t.betas[0], t.betas[1]), weight_decay=t.weight_decay, eps=t.eps)
+    r = cfg.reward
+    reward = build_reward(r.weights, url=r.url or None, timeout=r.timeout, retries=r.retries,
+                          image_format=r.image_format, on_error=r.on_error, penalty=r.penalty)
+    prompts = load_prompts(cfg.data.prompt_set, cfg.data.prompts, cfg.data.prompt_file)
+    return ColocatedRun(
+        cfg=cfg,
+        model=model,
+        params=params,
+        optimizer=opt,
+        reward=reward,
+        prompts=prompts,
+        sigmas=model.sigmas(cfg.rollout.num_steps),
+        loss_cfg=LossConfig(clip_range=t.clip_range, kl_beta=t.kl_beta, kl_kind=t.kl),  # type: ignore[arg-type]
+        rng=random.Random(cfg.log.seed),
+    )
+
+
+def _sample_prompts(run: ColocatedRun) -> list[str]:
+    p = run.cfg.rollout.prompts_per_batch
+    if p <= len(run.prompts):
+        return run.rng.sample(run.prompts, p)
+    return [run.rng.choice(run.prompts) for _ in range(p)]
+
+
+def _ref_velocity(model: GeneratorModel) -> Callable[..., torch.Tensor]:
+    def ref(x: torch.Tensor, sigma: torch.Tensor, cond: dict[str, torch.Tensor]) -> torch.Tensor:
+        with reference(model):
+            return model.velocity(x, sigma, cond)
+
+    return ref
+
+
+def iteration(run: ColocatedRun, it: int) -> tuple[dict[str, float], torch.Tensor, list[str]]:
+    """One Flow-GRPO iteration; returns its metrics, the decoded images and the prompts."""
+    cfg, model = run.cfg, run.model
+    ro, tr = cfg.rollout, cfg.train
+    t0 = time.perf_counter()
+    batch_prompts = _sample_prompts(run)
+    g = ro.group_size
+    prompts = [p for p in batch_prompts for _ in range(g)]
+    groups = torch.arange(len(batch_prompts)).repeat_interleave(g)
+    cond = repeat_cond(model.encode_prompts(batch_prompts), g)
+    seed = cfg.log.seed * 1_000_003 + it
+    gen = torch.Generator().manual_seed(seed)
+    x0 = model.prepare_latents(len(prompts), generator=gen)
+    plan = plan_steps(ro.num_steps, groups, mode=ro.steps, window=ro.window, fraction=ro.fraction, seed=seed)  # type: ignore[arg-type]
+    res = rollout_steps(model.velocity, x0, cond, run.sigmas, plan, 0, ro.num_steps,
+                        noise_level=ro.noise_level, kind=ro.sde, generator=gen, policy_version=it)  # type: ignore[arg-type]
+    t1 = time.perf_counter()
+    images = model.decode(res.x)
+    t2 = time.perf_counter()
+    rewards = run.reward.score(images, prompts)
+    t3 = time.perf_counter()
+    adv = group_advantages(rewards, groups, std=tr.adv_std, clip=tr.adv_clip)  # type: ignore[arg-type]
+    a = adv.advantages
+    if tr.control == "shuffled":  # negative control: break the sample <-> advantage pairing
+        a = a[torch.randperm(a.shape[0], generator=gen)]
+    elif tr.control == "negated":
+        a = -a
+    keep = (~adv.zero_std[res.transitions.sample]).nonzero().flatten()
+    batch: TransitionBatch = res.transitions.rows(keep)
+    stats = _train_step(run, batch, cond, a)
+    t4 = time.perf_counter()
+    metrics: dict[str, float] = {"iteration": float(it), **adv.stats, **stats}
+    comps = getattr(run.reward.inner, "last_components", {})
+    for name, s in comps.items():
+        metrics[f"reward/{name}"] = float(s.mean())
+    metrics.update(reward_failures=float(run.reward.failures), t_rollout=t1 - t0, t_decode=t2 - t1,
+                   t_reward=t3 - t2, t_train=t4 - t3, seconds=t4 - t0)
+    return metrics, images, prompts
+
+
+def _train_step(run: ColocatedRun, batch: TransitionBatch, cond: dict[str, torch.Tensor], adv: torch.Tensor) -> dict[str, float]:
+    tr = run.cfg.train
+    run.optimizer.zero_grad(set_to_none=True)
+    if len(batch) == 0:  # every group had identical rewards: nothing to learn from
+        return {"rows": 0.0, "grad_norm": 0.0, "clipfrac": 0.0, "approx_kl": 0.0, "kl": 0.0, "policy_loss": 0.0}
+    ref = _ref_velocity(run.model) if run.loss_cfg.kl_beta > 0 else None
+    sums = packed_backward(run.model.velocity, batch, cond, adv, run.loss_cfg,
+                           rows_per_pass=tr.rows_per_pass or None, ref_velocity=ref)
+    grad_norm = torch.nn.utils.clip_grad_norm_(run.params, tr.max_grad_norm)
+    if not torch.isfinite(grad_norm):
+        raise FloatingPointError(f"gradient norm is {float(grad_norm)}; refusing the optimizer step")
+    run.optimizer.step()
+    out = reduce_stats(sums)
+    out["grad_norm"] = float(grad_norm)
+    return out
+
+
+def save_grid(images: torch.Tensor, path: Path, columns: int = 8) -> None:
+    """Tile ``[N, 3, H, W]`` (or the first frame of videos) into one PNG."""
+    from PIL import Image
+
+    if images.ndim == 5:
+        images = images[:, :, 0]
+    n, _, h, w = images.shape
+    cols = min(columns, n)
+    rows = (n + cols - 1) // cols
+    grid = torch.zeros(3, rows * h, cols * w)
+    for k in range(n):
+        r, c = divmod(k, cols)
+        grid[:, r * h : (r + 1) * h, c * w : (c + 1) * w] = images[k].float().cpu()
+    arr = (grid.clamp(0, 1) * 255).round().to(torch.uint8).permute(1, 2, 0).numpy()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    Image.fromarray(arr).save(path)
+
+
+def train(
+    cfg: Config,
+    *,
+    out_dir: str | Path | None = None,
+    on_iteration: Callable[[dict[str, float]], None] | None = None,
+    write_files: bool = True,
+) -> list[dict[str, float]]:
+    """Run ``cfg.train.iterations`` iterations; returns one metrics dict per iteration.
+
+    Args:
+        cfg: the validated config.
+        out_dir: where to write outputs (default ``log.out``, else ``runs/<timestamp>``).
+        on_iteration: called with each iteration's metrics (progress display).
+        write_files: False keeps the run in memory (tests, benchmarks).
+
+    Raises:
+        ConfigError: invalid settings found while building components.
+        RewardError: a reward failed and ``reward.on_error = "raise"``.
+        FloatingPointError: a non-finite gradient norm.
+    """
+    if torch.get_num_threads() != cfg.placement.threads:
+        torch.set_num_threads(cfg.placement.threads)
+    torch.manual_seed(cfg.log.seed)
+    run = setup(cfg)
+    out = Path(out_dir or cfg.log.out or default_out_dir())
+    if write_files:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
+        log.info("run: writing to %s", out)
+    history: list[dict[str, float]] = []
+    every = cfg.log.image_every
+    metrics_file = (out / "metrics.jsonl").open("a") if write_files else None
+    try:
+        for it in range(cfg.train.iterations):
+            metrics, images, _ = iteration(run, it)
+            history.append(metrics)
+            if metrics_file is not None:
+                metrics_file.write(json.dumps(metrics) + "\n")
+                metrics_file.flush()
+                if every and (it % every == 0 or it == cfg.train.iterations - 1):
+                    save_grid(images[: cfg.log.images_per_grid], out / "samples" / f"iter_{it:05d}.png",
+                              columns=cfg.rollout.group_size)
+            log.debug("iteration %d: %s", it, metrics)
+            if on_iteration is not None:
+                on_iteration(metrics)
+    finally:
+        if metrics_file is not None:
+            metrics_file.close()
+    if write_files:
+        save_trainable(run.model, out / "trainable.safetensors")
+    return history
+
+
+def summarize(history: list[dict[str, float]], window: int = 5) -> dict[str, Any]:
+    """First/last-window reward means and their difference."""
+    rewards = [h["reward_mean"] for h in history]
+    w = min(window, max(len(rewards) // 2, 1))
+    first, last = sum(rewards[:w]) / w, sum(rewards[-w:]) / w
+    return {"first": first, "last": last, "gain": last - first, "window": w, "iterations": len(rewards)}

@@ -1,0 +1,43 @@
+"""Small built-in prompt sets, one per weight-free reward, so a run needs no dataset download."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from digenrl.errors import ConfigError
+
+__all__ = ["PROMPT_SETS", "load_prompts"]
+
+_COLOR_WORDS = ("red", "green", "blue", "yellow", "cyan", "magenta", "white", "black")
+_SHAPES = ("square", "circle")
+
+PROMPT_SETS: dict[str, tuple[str, ...]] = {
+    # 8 colours x 2 shapes: the colour reward reads the colour word; the shape word varies the text.
+    "color": tuple(f"a {c} {s}" for c in _COLOR_WORDS for s in _SHAPES),
+    "simple": (
+        "a cat", "a dog", "a house", "a tree", "a mountain lake", "a city at night", "a bowl of fruit",
+        "a red car", "a sailing boat", "a forest path", "a portrait of an old man", "a field of flowers",
+    ),
+    "ocr": tuple(f'a sign that says "{w}"' for w in ("HELLO", "OPEN", "STOP", "EXIT", "SALE", "CAFE", "42", "RL")),
+}
+
+
+def load_prompts(prompt_set: str = "color", prompts: list[str] | None = None, prompt_file: str = "") -> list[str]:
+    """The run's prompts: an explicit list, else a file (one per line), else a built-in set.
+
+    Raises:
+        ConfigError: unknown set, missing or empty file.
+    """
+    if prompts:
+        return list(prompts)
+    if prompt_file:
+        p = Path(prompt_file)
+        if not p.is_file():
+            raise ConfigError(f"data.prompt_file: {prompt_file!r} does not exist")
+        lines = [ln.strip() for ln in p.read_text().splitlines() if ln.strip()]
+        if not lines:
+            raise ConfigError(f"data.prompt_file: {prompt_file!r} has no prompts")
+        return lines
+    if prompt_set not in PROMPT_SETS:
+        raise ConfigError(f"data.prompt_set: unknown set {prompt_set!r}; allowed: {', '.join(PROMPT_SETS)}")
+    return list(PROMPT_SETS[prompt_set])
