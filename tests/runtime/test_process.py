@@ -6,7 +6,6 @@ import asyncio
 import logging
 import os
 import signal
-import time
 
 import psutil
 import pytest
@@ -78,7 +77,8 @@ async def test_setup_failure_in_a_process_reaches_the_spawner() -> None:
 
 async def test_killed_or_hung_process_raises_actor_died(caplog) -> None:
     caplog.set_level(logging.INFO, logger="digenrl")
-    async with ActorSystem(heartbeat_interval=0.2, heartbeat_timeout=2.0, shutdown_timeout=3.0) as system:
+    # Heartbeats cannot be what notices the kill: their timeout (60 s) is far beyond the wait below.
+    async with ActorSystem(heartbeat_interval=0.2, heartbeat_timeout=60.0, shutdown_timeout=3.0) as system:
         a, b = await asyncio.gather(
             system.spawn(Counter, name="victim", process=True),
             system.spawn(Counter, name="bystander", process=True),
@@ -89,10 +89,8 @@ async def test_killed_or_hung_process_raises_actor_died(caplog) -> None:
         await asyncio.sleep(0.2)
 
         os.kill(a_pid, signal.SIGKILL)
-        t0 = time.monotonic()
         with pytest.raises(ActorDied) as info:
-            await asyncio.wait_for(pending, 10)
-        assert time.monotonic() - t0 < 2.0  # the process sentinel, not a heartbeat timeout
+            await asyncio.wait_for(pending, 10)  # the process sentinel or the link, not heartbeats
         # Whichever sees it first: the process sentinel or the transport's disconnect event.
         assert info.value.actor == "victim"
         assert "SIGKILL" in info.value.reason or "disconnected" in info.value.reason
@@ -105,6 +103,7 @@ async def test_killed_or_hung_process_raises_actor_died(caplog) -> None:
         assert await b.add.call(2) == 2  # and the bystander is fine
 
         # A process that hangs (stopped, not dead) is found by heartbeats, then killed.
+        system.heartbeat_timeout = 2.0
         os.kill(b_pid, signal.SIGSTOP)
         with pytest.raises(ActorDied) as info:
             await asyncio.wait_for(b.sleep.call(60), 15)
