@@ -5,8 +5,8 @@ State machine::
     STARTING --setup ok--> RUNNING --stop()--> DRAINING --mailbox empty / deadline--> CLOSED
         \\--setup raised--> CLOSED (``__cleanup__(exc)`` ran, the error goes to the spawner)
 
-* Calls that arrive while STARTING wait in the mailbox; they run once ``setup`` succeeded (or are
-  answered with an error if it failed).
+* Calls that arrive while STARTING (control calls too) wait until ``setup`` succeeded, or are
+  answered with an error if it failed.
 * RUNNING: one consumer task takes messages in arrival order and runs them one at a time, so an
   endpoint sees the actor's state exactly as the previous message left it. ``compute`` endpoints
   run in the actor's single worker thread while the consumer awaits them, which keeps the event
@@ -81,6 +81,7 @@ class ActorHost:
         self._mailbox: asyncio.Queue[_Request | None] = asyncio.Queue()
         self._inflight: dict[tuple[str, int], _Request] = {}
         self._control: set[asyncio.Task[None]] = set()
+        self._early_control: list[_Request] = []
         self._consumer: asyncio.Task[None] | None = None
         self._executor: ThreadPoolExecutor | None = None
         self._cleaned = False
@@ -100,6 +101,9 @@ class ActorHost:
             raise
         self.state = State.RUNNING
         self._consumer = asyncio.create_task(self._consume(), name=f"digenrl-actor-{self.name}")
+        early, self._early_control = self._early_control, []
+        for req in early:
+            self._start_control(req)
 
     async def stop(self, timeout: float, exc: BaseException | None = None) -> None:
         """Drain the mailbox for up to ``timeout`` seconds, then close and run ``__cleanup__``.
@@ -176,12 +180,17 @@ class ActorHost:
         req = _Request(src, call_id, method, ep, args, kwargs)
         if call_id is not None:
             self._inflight[(src, call_id)] = req
-        if ep.control:
-            task = asyncio.create_task(self._execute(req), name=f"digenrl-control-{where}")
-            self._control.add(task)
-            task.add_done_callback(self._control.discard)
-        else:
+        if not ep.control:
             self._mailbox.put_nowait(req)
+        elif self.state is State.STARTING:  # control code may rely on what setup builds
+            self._early_control.append(req)
+        else:
+            self._start_control(req)
+
+    def _start_control(self, req: _Request) -> None:
+        task = asyncio.create_task(self._execute(req), name=f"digenrl-control-{self.name}.{req.method}")
+        self._control.add(task)
+        task.add_done_callback(self._control.discard)
 
     def cancel(self, src: str, call_id: int) -> None:
         """The caller gave up on call ``call_id``: skip it if queued, cancel it if running async."""
@@ -263,6 +272,10 @@ class ActorHost:
             self._inflight.pop((req.src, req.call_id), None)
 
     def _reject_queued(self, exc: BaseException) -> None:
+        early, self._early_control = self._early_control, []
+        for req in early:
+            self._fail(req.src, req.call_id, f"{self.name}.{req.method}", exc)
+            self._forget(req)
         while not self._mailbox.empty():
             req = self._mailbox.get_nowait()
             if req is not None and not req.cancelled:

@@ -227,7 +227,11 @@ class ActorSystem:
         self._joins[token] = joined
         argv = ["--join", self.address, "--name", name, "--token", token, "--transport", self.transport_kind,
                 "--parent-timeout", str(self.heartbeat_timeout)]
-        child = await ChildProcess.launch(f"digenrl-{name}", argv)
+        try:
+            child = await ChildProcess.launch(f"digenrl-{name}", argv)
+        except BaseException:
+            self._joins.pop(token, None)
+            raise
         try:
             async with asyncio.timeout(self.spawn_timeout):
                 worker = await self._await_join(joined, child, name)

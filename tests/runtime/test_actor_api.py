@@ -191,3 +191,22 @@ def test_public_api_is_documented() -> None:
     for obj in (Actor, ActorRef, ActorSystem, ActorSystem.spawn, ActorSystem.aclose, broadcast, endpoint):
         doc = inspect.getdoc(obj) or ""
         assert len(doc) > 40, obj
+
+
+async def test_calls_during_setup_wait_for_it(system: ActorSystem) -> None:
+    gate = asyncio.Event()
+
+    class Slow(Cruncher):
+        async def setup(self) -> None:
+            await gate.wait()
+            await super().setup()
+
+    spawn = asyncio.ensure_future(system.spawn(Slow, name="slow"))
+    await asyncio.sleep(0.05)
+    ref = ActorRef("slow", system.address, actor_class=Slow, node=system.node)
+    control, normal = ref.poke.call(), ref.busy.call(0.0)  # both need what setup builds
+    await asyncio.sleep(0.05)
+    assert not control.done() and not normal.done()
+    gate.set()
+    await spawn
+    assert await control == 1 and (await normal).startswith("digenrl-slow")
