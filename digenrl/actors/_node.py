@@ -276,7 +276,9 @@ class Node:
             # A reply for a call that was cancelled or timed out is normal; a reply from the wrong
             # peer is not, but either way there is nobody to deliver it to.
             if pending is not None:
-                self.bad_input(msg.src, f"reply to call {header['i']} from the wrong peer")
+                self.bad_input(msg.src, f"reply to call {header['i']} came from {msg.src}, but the call went to "
+                                        f"{pending.address} (peers must be addressed exactly as they bound: "
+                                        "127.0.0.1 is not localhost)")
             return
         if pending.future.done():
             return
