@@ -19,6 +19,9 @@ Examples:
   # same host (tests, a quick try): loopback is the default --listen
   digenrl worker --join tcp://127.0.0.1:5555 --name gpu0
 
+Pass --join exactly as the system reports it (ActorSystem.address, logged at start):
+tcp://127.0.0.1:5555 and tcp://localhost:5555 are different peers to ZeroMQ.
+
 The worker exits with code 0 when the system shuts down, on SIGTERM/SIGINT, or (code 1) when the
 system stops answering heartbeats. Actor classes are imported by module path, so the worker needs
 the same code (and PYTHONPATH) as the driver.
