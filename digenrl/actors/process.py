@@ -22,7 +22,7 @@ import subprocess
 import sys
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 __all__ = ["ChildProcess", "describe_exit"]
 
@@ -47,13 +47,15 @@ def _kill_if_running(proc: asyncio.subprocess.Process) -> None:
             proc.kill()
 
 
-def _child_env() -> dict[str, str]:
+def _child_env(extra: Mapping[str, str] | None) -> dict[str, str]:
     # The child must import what the driver can (actor classes by module path), as
     # multiprocessing's spawn does by shipping sys.path.
-    env = dict(os.environ)
+    env = {**os.environ, **(extra or {})}
     paths = [p for p in sys.path if p and os.path.isdir(p)]
     if os.environ.get("PYTHONPATH"):
         paths.append(os.environ["PYTHONPATH"])
+    if extra and extra.get("PYTHONPATH"):
+        paths.insert(0, extra["PYTHONPATH"])
     env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
     return env
 
@@ -70,8 +72,10 @@ class ChildProcess:
         self._finalizer = weakref.finalize(self, _kill_if_running, proc)
 
     @classmethod
-    async def launch(cls, title: str, args: Sequence[str]) -> ChildProcess:
+    async def launch(cls, title: str, args: Sequence[str], env: Mapping[str, str] | None = None) -> ChildProcess:
         """Start ``python -m digenrl.actors._child <args>``; stdout/stderr are inherited.
+
+        ``env`` adds to (or overrides) the driver's environment, e.g. ``CUDA_VISIBLE_DEVICES``.
 
         Raises:
             OSError: the interpreter could not be started.
@@ -79,7 +83,7 @@ class ChildProcess:
         level = logging.getLevelName(logging.getLogger("digenrl").getEffectiveLevel())
         argv = [sys.executable, "-m", "digenrl.actors._child", *args, "--parent-pid", str(os.getpid()),
                 "--log-level", level if level in ("DEBUG", "INFO", "WARNING", "ERROR") else "INFO"]
-        proc = await asyncio.create_subprocess_exec(*argv, env=_child_env(), stdin=subprocess.DEVNULL)
+        proc = await asyncio.create_subprocess_exec(*argv, env=_child_env(env), stdin=subprocess.DEVNULL)
         log.debug("launched %s pid=%d", title, proc.pid)
         return cls(title, proc)
 

@@ -62,8 +62,13 @@ def _build_model(cfg: Config) -> tuple[GeneratorModel, list[torch.nn.Parameter]]
                        resolution=(m.resolution[0], m.resolution[1]),
                        num_frames=m.num_frames if m.name in ("wan21", "hunyuanvideo") else None,
                        guidance_scale=m.guidance_scale)
+    if getattr(m, "vae_init", "default") == "signal":  # same toy decoder as the colocated recipe
+        from digenrl.recipes._toy import signal_preserving_decoder_init
+
+        signal_preserving_decoder_init(model, seed=m.seed + 3)
     if m.finetune == "lora":
-        params = apply_lora(model, rank=m.lora_rank, alpha=m.lora_alpha, seed=m.seed)
+        params = apply_lora(model, rank=m.lora_rank, alpha=m.lora_alpha, seed=m.seed,
+                            target_modules=getattr(m, "lora_targets", None) or None)
     else:
         params = enable_full_finetune(model)
     return model, params

@@ -31,6 +31,7 @@ import itertools
 import logging
 import secrets
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -161,7 +162,7 @@ class ActorSystem:
     # -- spawning --------------------------------------------------------------------------------
     async def spawn(
         self, cls: type[A], *args: Any, name: str | None = None, process: bool = False,
-        on: Worker | None = None, **kwargs: Any,
+        on: Worker | None = None, env: Mapping[str, str] | None = None, **kwargs: Any,
     ) -> A:
         """Construct ``cls(*args, **kwargs)``, run its ``setup`` and return a ref to it.
 
@@ -174,21 +175,26 @@ class ActorSystem:
                 ``digenrl-<name>``.
             process: run it in a fresh process of its own on this host.
             on: host it in this joined worker (see ``wait_for_workers``).
+            env: extra environment variables for its process (``process=True`` only), e.g.
+                ``{"CUDA_VISIBLE_DEVICES": "3"}`` to give each actor process one device.
 
         Raises:
             RemoteError: the constructor or ``setup`` raised; carries its traceback.
             ActorDied: the new process died before it was ready.
             TimeoutError: the process did not become ready within ``spawn_timeout``.
-            ValueError: the name is taken, or ``process=True`` with the inproc transport.
+            ValueError: the name is taken, ``process=True`` with the inproc transport, or ``env``
+                without ``process=True``.
             TypeError: ``cls`` is not an importable ``Actor`` subclass.
         """
         node = self._running()
+        if env is not None and not process:
+            raise ValueError("env= applies to a new process; pass process=True (or set it when starting the worker)")
         name = self._claim_name(cls, name)
         try:
             if on is not None:
                 ref = await self._spawn_on(on, cls, name, args, kwargs)
             elif process:
-                ref = await self._spawn_process(cls, name, args, kwargs)
+                ref = await self._spawn_process(cls, name, args, kwargs, env)
             else:
                 ref = await self._spawn_local(node, cls, name, args, kwargs)
         except BaseException:
@@ -218,7 +224,8 @@ class ActorSystem:
         self._local.append(name)
         return ref
 
-    async def _spawn_process(self, cls: type[A], name: str, args: Any, kwargs: Any) -> ActorRef[A]:
+    async def _spawn_process(self, cls: type[A], name: str, args: Any, kwargs: Any,
+                             env: Mapping[str, str] | None) -> ActorRef[A]:
         if self.transport_kind == "inproc":
             raise ValueError("process=True needs a transport other processes can reach; use ActorSystem(transport='zmq')")
         spec = _agent.class_spec(cls)  # fail before launching anything
@@ -228,7 +235,7 @@ class ActorSystem:
         argv = ["--join", self.address, "--name", name, "--token", token, "--transport", self.transport_kind,
                 "--parent-timeout", str(self.heartbeat_timeout)]
         try:
-            child = await ChildProcess.launch(f"digenrl-{name}", argv)
+            child = await ChildProcess.launch(f"digenrl-{name}", argv, env=env)
         except BaseException:
             self._joins.pop(token, None)
             raise

@@ -39,6 +39,10 @@ class Counter(Actor):
         return os.getpid()
 
     @endpoint
+    async def getenv(self, key: str) -> str | None:
+        return os.environ.get(key)
+
+    @endpoint
     async def fail(self, message: str) -> None:
         _helper_that_raises(message)
 

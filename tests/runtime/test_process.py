@@ -20,9 +20,10 @@ async def test_process_actors_serve_and_shut_down_cleanly(tmp_path, caplog) -> N
     marker = tmp_path / "cleanup.txt"
     async with ActorSystem(heartbeat_interval=0.2, heartbeat_timeout=1.5, shutdown_timeout=3.0) as system:
         c, w = await asyncio.gather(
-            system.spawn(Counter, name="counter", process=True),
+            system.spawn(Counter, name="counter", process=True, env={"CUDA_VISIBLE_DEVICES": "3"}),
             system.spawn(Cruncher, str(marker), name="cruncher", process=True),
         )
+        assert await c.getenv.call("CUDA_VISIBLE_DEVICES") == "3"  # per-process device pinning
         pids = [await c.pid.call(), *(x.pid for x in system._workers.values() if x.name == "cruncher")]
         assert len(set(pids)) == 2 and os.getpid() not in pids
         titles = {" ".join(psutil.Process(p).cmdline()).split()[0] for p in pids}
