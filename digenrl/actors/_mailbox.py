@@ -277,7 +277,7 @@ class ActorHost:
             self._fail(req.src, req.call_id, f"{self.name}.{req.method}", exc)
             self._forget(req)
         while not self._mailbox.empty():
-            req = self._mailbox.get_nowait()
-            if req is not None and not req.cancelled:
-                self._fail(req.src, req.call_id, f"{self.name}.{req.method}", exc)
-                self._forget(req)
+            queued = self._mailbox.get_nowait()
+            if queued is not None and not queued.cancelled:
+                self._fail(queued.src, queued.call_id, f"{self.name}.{queued.method}", exc)
+                self._forget(queued)
