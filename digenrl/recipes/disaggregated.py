@@ -54,7 +54,10 @@ def tiny_cpu_cost() -> UniformCost:
 
     The schedules only use ratios of these (placement, TAG decisions) and correct them online.
     """
-    return UniformCost(overhead=0.01, rollout_sample_step=0.0006, reward_sample=0.008, train_row=0.0018,
+    # rollout_sample_step also carries the holder's decode + score (0.008 s per sample over its
+    # steps): the schedules weigh TAG help by denoising capacity alone, and without this share a
+    # rollout actor that spends most of its time decoding looks fast and never gets help.
+    return UniformCost(overhead=0.01, rollout_sample_step=0.0016, reward_sample=0.008, train_row=0.0018,
                        train_row_packed=0.0014, optim=0.01, publish=0.01, switch=0.0)
 
 
@@ -70,6 +73,14 @@ class Cluster:
 
     def names(self, role: Role) -> list[str]:
         return [d.name for d in self.devices if d.role is role]
+
+
+def _on_gpu(conf: dict[str, Any], k: int) -> dict[str, Any]:
+    """Actor ``k``'s config: with ``model.device = "cuda"``, GPU ``k mod count`` of this host (one per actor)."""
+    device = conf["model"]["device"]
+    if device != "cuda" or not torch.cuda.is_available():
+        return conf
+    return {**conf, "model": {**conf["model"], "device": f"cuda:{k % torch.cuda.device_count()}"}}
 
 
 def _free_port() -> int:
@@ -93,6 +104,7 @@ async def start_cluster(system: ActorSystem, cfg: Config, settings: DisaggSettin
              for i in range(settings.trainer)]
     plan += [(f"rollout-{i}", Role.ROLLOUT, RolloutActor, (conf, settings.actor_threads)) for i in range(settings.rollout)]
     plan += [(f"reward-{i}", Role.REWARD, RewardActor, (conf, settings.actor_threads)) for i in range(settings.reward)]
+    plan = [(name, role, cls, (_on_gpu(conf, k), *args[1:])) for k, (name, role, cls, args) in enumerate(plan)]
     # Spawned together: each process spends seconds importing torch, so their imports overlap.
     refs_list = await asyncio.gather(*(system.spawn(cls, *args, name=name, process=process)
                                        for name, _, cls, args in plan))

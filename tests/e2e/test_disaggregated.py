@@ -19,7 +19,7 @@ from digenrl.recipes.disaggregated import arun_disaggregated
 from digenrl.recipes.observe import METRIC_KEYS
 
 CONFIG = Path(__file__).resolve().parents[2] / "configs" / "tiny-disagg.toml"
-ROWS = 8 * 4 * 7  # prompts x group x trained steps of one logical batch
+ROWS = 8 * 4 * 5  # prompts x group x trained steps of one logical batch
 
 
 def _load(*overrides: str):
