@@ -137,6 +137,7 @@ class Coordinator:
         self._adv_ready = asyncio.Condition()
         self._last_optim = self.t0
         self.lost_devices: list[str] = []
+        self.token_log: list[tuple[Token, float]] = []  # every completed token with its measured seconds
 
     # -- public --------------------------------------------------------------------------------
     @property
@@ -289,7 +290,9 @@ class Coordinator:
         result = task.result()
         self._dispatched.pop(token.device, None)
         self._record(token, result)
-        self._launch(self.schedule.on_event(TokenDone(token, observed_seconds=max(1e-6, result["t1"] - result["t0"]))))
+        seconds = max(1e-6, result["t1"] - result["t0"])
+        self.token_log.append((token, seconds))
+        self._launch(self.schedule.on_event(TokenDone(token, observed_seconds=seconds)))
 
     def _record(self, token: Token, result: dict[str, Any]) -> None:
         kind, batch = token.kind, token.batch + self.base

@@ -41,8 +41,9 @@ from digenrl.recipes.checkpoint import find_checkpoint, load_state, save_checkpo
 from digenrl.recipes.disagg_config import DisaggSettings
 from digenrl.recipes.observe import LiveDisplay, MetricsLog, run_stats, write_artifacts
 from digenrl.recipes.prompts import load_prompts
-from digenrl.schedule.base import CostEstimate, Device, Role
+from digenrl.schedule.base import CostEstimate, Device, Role, Token
 from digenrl.schedule.cost import UniformCost
+from digenrl.sim.engine import SimResult
 
 __all__ = ["run_disaggregated", "arun_disaggregated", "tiny_cpu_cost", "Cluster", "start_cluster"]
 
@@ -132,8 +133,14 @@ async def start_cluster(system: ActorSystem, cfg: Config, settings: DisaggSettin
 async def arun_disaggregated(cfg: Config, out_dir: str | Path | None = None, resume: str | Path | None = None, *,
                              settings: DisaggSettings | None = None, cost: CostEstimate | None = None,
                              on_step: Callable[[dict[str, Any]], None] | None = None,
-                             write_files: bool = True) -> list[dict[str, Any]]:
-    """Async form of :func:`run_disaggregated` (for callers that already run an event loop)."""
+                             write_files: bool = True,
+                             on_result: Callable[[SimResult, list[tuple[Token, float]]], None] | None = None,
+                             ) -> list[dict[str, Any]]:
+    """Async form of :func:`run_disaggregated` (for callers that already run an event loop).
+
+    ``on_result`` receives the run's spans (as the simulator's ``SimResult``) and every completed
+    token with its measured seconds (benchmarks calibrate the simulator from them).
+    """
     from digenrl.recipes.colocated import default_out_dir, save_grid
 
     settings = settings or DisaggSettings()
@@ -197,9 +204,11 @@ async def arun_disaggregated(cfg: Config, out_dir: str | Path | None = None, res
             if live is not None:
                 live.__exit__(None, None, None)
             metrics.close()
+            result = coordinator.spans.result(settings.schedule, cluster.devices, coordinator.workload,
+                                              time.time() - t0)
+            if on_result is not None:
+                on_result(result, coordinator.token_log)
             if write_files:
-                result = coordinator.spans.result(settings.schedule, cluster.devices, coordinator.workload,
-                                                  time.time() - t0)
                 write_artifacts(out, result, settings.trace, settings.gantt)
                 (out / "summary.json").write_text(json.dumps({**run_stats(result),
                                                               "lost_devices": coordinator.lost_devices}, indent=1))

@@ -1,0 +1,218 @@
+"""``digenrl bench bubbles --real``: the tiny model trained for real under each schedule, side by side.
+
+:func:`run_real_bubbles` runs, one after the other on this machine and with the same config:
+
+* ``colocated``: the single-process reference loop (:func:`digenrl.recipes.colocated.train`), one
+  process using ``placement.threads`` (2) cores;
+* each actor schedule (``disaggregated``, ``gap``, ``tsp``, ``tag``, ``async1``): the disaggregated
+  recipe, a coordinator plus one process per actor with one torch thread each.
+
+Each row has the simulator's ``bubbles.json`` schema (scenario names start with ``real-``), measured
+over the steady window (batch 0's optimizer step excluded), with per-actor bubble ratios and
+``sim_error``: the simulator's predicted steady samples/s for the same schedule, devices and workload,
+relative to the measured one (``predicted / measured - 1``). The simulator is calibrated here, from
+these runs: :class:`MeasuredCost` fits ``overhead + seconds x units`` per token kind (units:
+sample-steps, samples, rows) to every token the actor runs executed (pooled over all schedules),
+so ``sim_error`` tests the schedule and driver dynamics (overlap, waits, pipelining), not the FLOP model.
+The colocated row's simulator input is its own phase timings (rollout, decode + reward, train), so
+its ``sim_error`` is near zero by construction.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from digenrl.errors import ConfigError
+from digenrl.recipes.disagg_config import ACTOR_SCHEDULES, load_disagg_config
+from digenrl.recipes.observe import window_bubbles
+from digenrl.schedule import make_schedule
+from digenrl.schedule.base import Device, Role, Token, TokenKind, Workload
+from digenrl.sim.engine import SimResult, simulate
+from digenrl.sim.metrics import summarize
+
+__all__ = ["MeasuredCost", "run_real_bubbles", "REAL_DEFAULT_SCHEDULES", "DEFAULT_CONFIG"]
+
+DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "tiny-disagg.toml"
+REAL_DEFAULT_SCHEDULES = ("colocated", "disaggregated", "gap", "tag", "async1")
+
+
+def _units(token: Token) -> float:
+    if token.kind is TokenKind.ROLLOUT:
+        return float(token.num_samples * (token.step_end - token.step_start))
+    if token.kind is TokenKind.REWARD:
+        return float(token.num_samples)
+    if token.kind is TokenKind.TRAIN:
+        return float(token.transitions)
+    return 1.0
+
+
+@dataclass(frozen=True)
+class MeasuredCost:
+    """A cost estimate fitted to measured tokens: ``seconds = overhead + per_unit x units`` per kind."""
+
+    fits: dict[str, tuple[float, float]] = field(default_factory=dict)  # kind -> (overhead, per unit)
+
+    @classmethod
+    def fit(cls, samples: list[tuple[Token, float]]) -> MeasuredCost:
+        """Least squares per token kind (overhead clamped at >= 0; one unit size: per-unit mean)."""
+        by: dict[str, list[tuple[float, float]]] = {}
+        for token, secs in samples:
+            by.setdefault(token.kind.value, []).append((_units(token), secs))
+        fits = {}
+        for kind, pts in by.items():
+            xs, ys = [p[0] for p in pts], [p[1] for p in pts]
+            mx, my = statistics.fmean(xs), statistics.fmean(ys)
+            var = sum((x - mx) ** 2 for x in xs)
+            slope = sum((x - mx) * (y - my) for x, y in pts) / var if var > 0 else 0.0
+            overhead = my - slope * mx
+            if var == 0 or slope <= 0 or overhead < 0:
+                overhead, slope = (0.0, my / mx) if mx > 0 else (my, 0.0)
+            fits[kind] = (overhead, slope)
+        return cls(fits)
+
+    def seconds(self, token: Token, device: Device) -> float:
+        overhead, per = self.fits.get(token.kind.value, (1e-3, 0.0))
+        return max(1e-4, overhead + per * _units(token)) / device.speed
+
+    def tag_switch_seconds(self, name: str) -> float:
+        return 0.0  # a TAG trainer holds the newest weights already: no onload/offload on CPU
+
+    def to_dict(self) -> dict[str, dict[str, float]]:
+        return {k: {"overhead_s": o, "per_unit_s": p} for k, (o, p) in self.fits.items()}
+
+
+def _colocated(cfg: Any, iterations: int) -> tuple[dict[str, Any], MeasuredCost, Workload]:
+    from digenrl.actors.rollout import trained_steps
+    from digenrl.recipes.colocated import train
+
+    history = train(cfg, write_files=False)
+    steady = history[1:] or history
+    ro = cfg.rollout
+    samples = ro.prompts_per_batch * ro.group_size
+    sps = samples * len(steady) / sum(m["seconds"] for m in steady)
+    rows = statistics.fmean(max(m.get("rows", 1.0), 1.0) for m in steady)
+    mean = lambda k: statistics.fmean(m[k] for m in steady)  # noqa: E731
+    cost = MeasuredCost({"rollout": (0.0, mean("t_rollout") / (samples * ro.num_steps)),
+                         "reward": (0.0, (mean("t_decode") + mean("t_reward")) / samples),
+                         "train": (0.0, mean("t_train") / rows), "optim": (0.0, 0.0), "switch": (0.0, 0.0)})
+    return {"samples_per_s": sps, "rewards": [m["reward_mean"] for m in history]}, cost, Workload(
+        iterations, ro.prompts_per_batch, ro.group_size, ro.num_steps, trained_steps(cfg))
+
+
+def _steady(result: SimResult) -> tuple[float, float]:
+    first = result.optim_end.get(min(result.optim_end), 0.0) if len(result.optim_end) > 1 else 0.0
+    return first, max(result.optim_end.values(), default=result.wall)
+
+
+def _row(name: str, schedule: str, result: SimResult, sim: SimResult | None, measured_sps: float,
+         wall: float, devices: list[Device]) -> dict[str, Any]:
+    st = summarize(result)
+    s, f = st.steady, st.full
+    start, end = _steady(result)
+    per_actor = window_bubbles(result.spans, [d.name for d in devices], start, end)
+    predicted = summarize(sim).steady.samples_per_s if sim is not None else None
+    return {
+        "scenario": name, "model": "qwenimage-tiny", "devices": len(devices), "testbed": "measured",
+        "schedule": schedule,
+        "split": {"rollout": sum(d.role is Role.ROLLOUT for d in devices),
+                  "trainer": sum(d.role is Role.TRAINER for d in devices),
+                  "hybrid": sum(d.role is Role.HYBRID for d in devices)},
+        "samples_per_s": measured_sps, "speedup_vs_colocated": None,
+        "bubble_ratio": {"rollout": s.bubble_rollout, "trainer": s.bubble_trainer, "overall": s.bubble_overall},
+        "bubble_per_actor": per_actor, "max_staleness": st.max_staleness,
+        "weight_sync_share": s.weight_sync_share, "switch_share": s.switch_share,
+        "full": {"samples_per_s": f.samples_per_s,
+                 "bubble_ratio": {"rollout": f.bubble_rollout, "trainer": f.bubble_trainer, "overall": f.bubble_overall}},
+        "num_batches": result.workload.num_batches, "samples_scored": st.samples_scored, "wall_s": wall,
+        "tokens": result.tokens, "sim_seconds": 0.0, "speedup_bound": None,
+        "sim_samples_per_s": predicted,
+        "sim_error": (predicted / measured_sps - 1.0) if predicted and measured_sps else None,
+    }
+
+
+def run_real_bubbles(schedules: list[str] | None = None, num_batches: int = 8, out: Path | None = None,
+                     config: Path = DEFAULT_CONFIG, overrides: list[str] | None = None) -> dict[str, Any]:
+    """Train the tiny model for real under each schedule and compare with the calibrated simulator.
+
+    Args:
+        schedules: ``colocated`` and/or actor schedule names (default ``REAL_DEFAULT_SCHEDULES``).
+        num_batches: optimizer steps per run (the first is the warm-up window).
+        out: where to write ``bubbles.json``, per-run directories ``real-<schedule>/`` (metrics,
+            trace, Gantt) and ``gantt-real.png``; ``None`` writes only what the runs need in a temp dir.
+        config: the run config (default ``configs/tiny-disagg.toml``).
+        overrides: extra ``--set`` style overrides.
+
+    Returns:
+        The ``bubbles.json`` content: ``rows``, ``calibration`` (fitted per-kind costs) and ``definitions``.
+
+    Raises:
+        ConfigError: an unknown schedule or ``num_batches < 2``.
+    """
+    import tempfile
+
+    from digenrl.recipes.disaggregated import arun_disaggregated
+    from digenrl.sim.trace import write_gantt
+
+    chosen = list(schedules or REAL_DEFAULT_SCHEDULES)
+    for s in chosen:
+        if s != "colocated" and s not in ACTOR_SCHEDULES:
+            raise ConfigError(f"unknown schedule {s!r}; known: colocated, {', '.join(ACTOR_SCHEDULES)}")
+    if num_batches < 2:
+        raise ConfigError(f"num_batches={num_batches}: needs at least 2 (the first batch is the warm-up window)")
+    base = [*(overrides or []), f"train.iterations={num_batches}", "log.image_every=0", "log.checkpoint_every=0"]
+    tmp = tempfile.TemporaryDirectory() if out is None else None
+    root = Path(tmp.name) if tmp is not None else out
+    assert root is not None
+    root.mkdir(parents=True, exist_ok=True)
+    runs: dict[str, tuple[SimResult, list[tuple[Token, float]], float, list[Device]]] = {}
+    rows: list[dict[str, Any]] = []
+    colocated_row: dict[str, Any] | None = None
+    try:
+        for sched in chosen:
+            cfg, settings = load_disagg_config(config, [*base, f"schedule.name={sched}"])
+            start = time.perf_counter()
+            if sched == "colocated":
+                measured, cost, workload = _colocated(cfg, num_batches)
+                devices = [Device("hybrid-0", Role.HYBRID)]
+                sim = simulate(make_schedule("colocated", devices, workload, cost), devices, workload, cost)  # type: ignore[arg-type]
+                colocated_row = _row("real-colocated", sched, sim, sim, measured["samples_per_s"],
+                                     time.perf_counter() - start, devices)
+                colocated_row["bubble_per_actor"] = {"colocated (1 process, 2 threads)": 0.0}
+                rows.append(colocated_row)
+                continue
+            got: list[Any] = []
+            asyncio.run(arun_disaggregated(cfg, root / f"real-{sched}", settings=settings,
+                                           on_result=lambda r, log: got.append((r, log))))
+            result, tokens = got[0]
+            runs[sched] = (result, tokens, time.perf_counter() - start, list(result.devices))
+        pooled = MeasuredCost.fit([t for _, tokens, _, _ in runs.values() for t in tokens])
+        results = []
+        for sched, (result, _, wall, devices) in runs.items():
+            sim = simulate(make_schedule(sched, devices, result.workload, pooled), devices, result.workload,
+                           pooled)  # type: ignore[arg-type]
+            rows.append(_row(f"real-{sched}", sched, result, sim, summarize(result).steady.samples_per_s, wall, devices))
+            results.append(result)
+        base_sps = colocated_row["samples_per_s"] if colocated_row else None
+        for r in rows:
+            r["speedup_vs_colocated"] = r["samples_per_s"] / base_sps if base_sps else None
+        report = {"rows": rows, "calibration": {"measured_costs": pooled.to_dict(), "source": "pooled real tokens"},
+                  "definitions": {
+                      "window": "steady = from the end of batch 0's optimizer step to the last one",
+                      "bubble": "1 - compute span time / window, per actor (bubble_per_actor); per role = mean",
+                      "sim_error": "simulator steady samples/s (same schedule, devices, workload; costs fitted "
+                                   "to the measured tokens) / measured - 1",
+                      "colocated": "the single-process loop with placement.threads torch threads"}}
+        if out is not None:
+            (out / "bubbles.json").write_text(json.dumps(report, indent=1))
+            if results:
+                write_gantt(results, out / "gantt-real.png", "real runs, tiny Qwen-Image on this machine")
+        return report
+    finally:
+        if tmp is not None:
+            tmp.cleanup()

@@ -1,0 +1,25 @@
+"""The simulator calibration used by `bench bubbles --real`: per-kind linear fits of measured tokens."""
+
+from __future__ import annotations
+
+import pytest
+
+from digenrl.recipes.bench_real import MeasuredCost
+from digenrl.schedule.base import Device, Role, Token, TokenKind
+
+
+def _tok(kind: TokenKind, samples: int = 0, steps: int = 0, rows: int = 0) -> Token:
+    return Token(0, kind, "d", 0, num_samples=samples, step_start=0, step_end=steps, transitions=rows)
+
+
+def test_fit_recovers_overhead_and_per_unit_costs() -> None:
+    data = [(_tok(TokenKind.ROLLOUT, s, k), 0.02 + 0.001 * s * k) for s, k in ((8, 2), (16, 2), (8, 6), (32, 1))]
+    data += [(_tok(TokenKind.TRAIN, rows=r), 0.005 + 0.002 * r) for r in (40, 80, 160)]
+    data += [(_tok(TokenKind.REWARD, 8), 0.064), (_tok(TokenKind.REWARD, 8), 0.066)]  # one size: per-unit mean
+    cost = MeasuredCost.fit(data)
+    assert cost.fits["rollout"] == pytest.approx((0.02, 0.001))
+    assert cost.fits["train"] == pytest.approx((0.005, 0.002))
+    assert cost.fits["reward"] == pytest.approx((0.0, 0.065 / 8))
+    dev = Device("d", Role.ROLLOUT, speed=2.0)
+    assert cost.seconds(_tok(TokenKind.ROLLOUT, 10, 3), dev) == pytest.approx((0.02 + 0.03) / 2)
+    assert cost.seconds(_tok(TokenKind.PUBLISH), dev) > 0
