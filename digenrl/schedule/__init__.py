@@ -11,6 +11,7 @@ from __future__ import annotations
 from digenrl.errors import ConfigError
 from digenrl.schedule.base import (
     CostEstimate,
+    SwitchCost,
     Device,
     DeviceDied,
     DeviceJoined,
@@ -39,6 +40,7 @@ __all__ = [
     "UniformCost",
     "SpeedTracker",
     "CostEstimate",
+    "SwitchCost",
     "Device",
     "DeviceDied",
     "DeviceJoined",

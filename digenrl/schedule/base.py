@@ -52,6 +52,7 @@ __all__ = [
     "DeviceJoined",
     "Event",
     "CostEstimate",
+    "SwitchCost",
     "Schedule",
 ]
 
@@ -196,6 +197,18 @@ class CostEstimate(Protocol):
     """Predicted seconds of a token on a device; schedules use it to place work and to decide TAG."""
 
     def seconds(self, token: Token, device: Device) -> float: ...
+
+
+class SwitchCost(Protocol):
+    """Optional extension of a ``CostEstimate``: the TAG switch a trainer pays around helping.
+
+    A cost estimate that also has ``helper_switch_seconds`` lets the TAG decision charge a trainer's
+    onload of the rollout state (before its first helper token) and the offload back (before it
+    trains again). ``seconds()`` of a helper token stays the token's own run time, so a driver that
+    measures ``observed_seconds`` does not have to separate the two. Without it, switches count 0.
+    """
+
+    def helper_switch_seconds(self, device: Device) -> float: ...
 
 
 class Schedule(abc.ABC):

@@ -27,12 +27,13 @@ State machine (one instance per run; ``start()`` then ``on_event()`` per event):
 
 from __future__ import annotations
 
-import heapq
 import logging
 from collections import deque
 
 from digenrl.errors import ConfigError
+from digenrl.schedule._rollout import Entry, RolloutMixin
 from digenrl.schedule._state import BatchState, FragState, Part
+from digenrl.schedule._tag import TagMixin
 from digenrl.schedule.base import (
     CostEstimate,
     Device,
@@ -54,10 +55,9 @@ __all__ = ["DisaggregatedSchedule"]
 log = logging.getLogger(__name__)
 
 _POOLS = (Role.ROLLOUT, Role.TRAINER, Role.REWARD)
-Entry = tuple[int, int]  # (fragment index, epoch)
 
 
-class DisaggregatedSchedule(Schedule):
+class DisaggregatedSchedule(RolloutMixin, TagMixin, Schedule):
     """Disaggregated schedule with GAP, TSP, TAG and one-step async as switches.
 
     Args:
@@ -87,6 +87,11 @@ class DisaggregatedSchedule(Schedule):
         self.w = workload
         self.opt = options
         self._speed = SpeedTracker(cost or UniformCost())
+        # TAG's onload/offload of the rollout state, when the cost estimate models it (base.SwitchCost).
+        self._switch_fn = getattr(cost, "helper_switch_seconds", None)
+        self._switch_cache: dict[str, float] = {}
+        self._helping: set[str] = set()
+        self._devices: dict[str, Device] = {}
         self._role: dict[str, Role] = {}
         self._alive: dict[Role, dict[str, None]] = {r: {} for r in _POOLS}
         self._idle: dict[Role, dict[str, None]] = {r: {} for r in _POOLS}
@@ -131,6 +136,9 @@ class DisaggregatedSchedule(Schedule):
         self._alive[d.role][d.name] = None
 
     def _add(self, d: Device) -> None:
+        self._devices[d.name] = d
+        self._switch_cache.pop(d.name, None)
+        self._helping.discard(d.name)  # a (re)joined trainer starts set up for training
         self._idle[d.role][d.name] = None
         self._kicked[d.name] = None
         self._speed.add(d)
@@ -196,50 +204,6 @@ class DisaggregatedSchedule(Schedule):
             self._batches[self._opened] = BatchState(self._opened, self.w, g.fragment_groups, g.fragment_members,
                                                      self.opt.gap)
 
-    def _push_ready(self, b: int, f: int) -> None:
-        info = self._batches[b].frags[f]
-        key = (info.version, b, info.step)
-        bucket = self._buckets.get(key)
-        if bucket is None:
-            bucket = self._buckets[key] = deque()
-        bucket.append((f, info.epoch))
-        if key not in self._in_heap:
-            self._in_heap.add(key)
-            heapq.heappush(self._heaps.setdefault(info.version, []), (b, -info.step))
-
-    def _bucket_top(self, version: int) -> tuple[int, int] | None:
-        """Best (batch, -step) with a live READY fragment at ``version``; drops stale entries."""
-        heap = self._heaps.get(version)
-        while heap:
-            b, neg = heap[0]
-            key = (version, b, -neg)
-            bucket = self._buckets.get(key)
-            batch = self._batches.get(b)
-            while bucket and (batch is None or not self._live(batch, bucket[0], FragState.READY)):
-                bucket.popleft()
-            if bucket:
-                return b, neg
-            heapq.heappop(heap)
-            self._in_heap.discard(key)
-            self._buckets.pop(key, None)
-        return None
-
-    @staticmethod
-    def _live(batch: BatchState, entry: Entry, state: FragState) -> bool:
-        info = batch.frags[entry[0]]
-        return info.epoch == entry[1] and info.state is state
-
-    def _unstarted_batch(self, version: int, only: int | None = None) -> int | None:
-        """Lowest open batch with unstarted fragments that may start with ``version``."""
-        lo, hi = version, min(self._opened, version + self.opt.staleness)
-        if only is not None:
-            lo = hi = only if lo <= only <= hi else -1
-        for b in range(max(lo, self.version), hi + 1):
-            batch = self._batches.get(b)
-            if batch is not None and batch.unstarted:
-                return b
-        return None
-
     # -- dispatch ------------------------------------------------------------------------------
     def _dispatch(self, out: list[Token]) -> None:
         self._dispatch_publish(out)
@@ -293,167 +257,10 @@ class DisaggregatedSchedule(Schedule):
         rows = tuple((s, e) for _, s, e in parts)
         transitions = sum(e - s for s, e in rows)
         samples = sum((e - 1) // t - s // t + 1 for s, e in rows)
+        self._helping.discard(name)  # the driver offloads the rollout state before training
         return self._token(TokenKind.TRAIN, name, batch.k, fragment=frags[0].index, num_samples=samples,
                            transitions=transitions, policy_version=batch.frags[parts[0][0]].version,
                            fragments=frags, rows=rows, packed=self.opt.tsp)
-
-    def _issue_reward(self, name: str, queue: deque[tuple[int, int, int]], out: list[Token]) -> None:
-        picked: list[tuple[int, int]] = []
-        samples = 0
-        while queue and (not picked or samples < self.sizes.rollout_batch):
-            b, f, epoch = queue[0]
-            batch = self._batches.get(b)
-            if batch is None or not self._live(batch, (f, epoch), FragState.AWAIT_REWARD):
-                queue.popleft()
-                continue
-            if picked and b != picked[0][0]:
-                break
-            queue.popleft()
-            picked.append((b, f))
-            samples += batch.frags[f].geo.num_samples
-        if not picked:
-            return
-        batch = self._batches[picked[0][0]]
-        infos = [batch.frags[f] for _, f in picked]
-        for info in infos:
-            info.state = FragState.REWARDING
-        out.append(self._token(TokenKind.REWARD, name, batch.k, fragment=infos[0].geo.index, num_samples=samples,
-                               policy_version=infos[0].version, fragments=tuple(i.geo for i in infos),
-                               sources=tuple(i.holder for i in infos), helper=self._role[name] is Role.TRAINER))
-
-    def _dispatch_rollout(self, out: list[Token]) -> None:
-        idle = self._idle[Role.ROLLOUT]
-        versions = (self.published, self._prev_published)
-        while idle:
-            pick = self._pick(versions)
-            if pick is None:
-                return
-            name = next(iter(idle))
-            cap = round(self.sizes.rollout_batch * self._speed.relative_speed(name, TokenKind.ROLLOUT))
-            out.append(self._rollout_token(name, pick, cap, self.sizes.step_chunk, helper=False))
-
-    def _pick(self, versions: tuple[int, ...], only: int | None = None) -> tuple[int, int, int] | None:
-        """Best rollout work as ``(version, batch, step)``; step ``-1`` means unstarted fragments."""
-        best: tuple[int, int, int] | None = None
-        best_key: tuple[int, int] | None = None
-        for v in dict.fromkeys(versions):
-            top = self._bucket_top(v)
-            if top is not None and (only is None or top[0] == only) and (best_key is None or top < best_key):
-                best, best_key = (v, top[0], -top[1]), top
-        b = self._unstarted_batch(versions[0], only)
-        if b is not None and (best_key is None or (b, 0) < best_key):
-            best = (versions[0], b, -1)
-        return best
-
-    def _rollout_token(self, name: str, pick: tuple[int, int, int], cap: int, chunk: int, helper: bool) -> Token:
-        version, b, step = pick
-        batch = self._batches[b]
-        chosen = []
-        samples = 0
-        if step < 0:  # unstarted: this token fixes their version for the whole trajectory
-            step = 0
-            while batch.unstarted and (not chosen or samples + batch.frags[batch.unstarted[0]].geo.num_samples <= cap):
-                info = batch.frags[batch.unstarted.popleft()]
-                info.version = version
-                chosen.append(info)
-                samples += info.geo.num_samples
-        else:
-            bucket = self._buckets[(version, b, step)]
-            while bucket:
-                if not self._live(batch, bucket[0], FragState.READY):
-                    bucket.popleft()
-                    continue
-                info = batch.frags[bucket[0][0]]
-                if chosen and samples + info.geo.num_samples > cap:
-                    break
-                bucket.popleft()
-                chosen.append(info)
-                samples += info.geo.num_samples
-        end = min(self.w.num_steps, step + chunk)
-        sources = []
-        for info in chosen:
-            sources.append(info.holder)
-            if info.holder:
-                self._held[info.holder].discard((b, info.geo.index))
-            info.state = FragState.RUNNING
-            info.dispatched = end
-        batch.sample_steps_left -= samples * (end - step)
-        return self._token(TokenKind.ROLLOUT, name, b, fragment=chosen[0].geo.index, num_samples=samples,
-                           step_start=step, step_end=end, policy_version=version,
-                           fragments=tuple(i.geo for i in chosen), sources=tuple(sources), helper=helper)
-
-    # -- TAG -----------------------------------------------------------------------------------
-    def _dispatch_helpers(self, out: list[Token]) -> None:
-        idle = self._idle[Role.TRAINER]
-        batch = self._batches.get(self.version)
-        if not idle or batch is None or batch.all_scored or self._optim_running or self._train_ready():
-            return
-        roll, train = self._capacities()
-        for name in list(idle):
-            cap = round(self.sizes.rollout_batch * self._speed.relative_speed(name, TokenKind.ROLLOUT))
-            most = cap * self.sizes.tag_steps + batch.sample_steps_left
-            if roll > 0 and (batch.rows_total - batch.rows_done) / train >= most / roll:
-                return  # training-bound: no helper can shorten the batch (see _helper_pays)
-            pick = self._pick((self.version,), only=self.version)
-            if pick is None:
-                return
-            token = self._rollout_token(name, pick, cap, self.sizes.tag_steps, helper=True)
-            if self._helper_pays(token, name, batch):
-                out.append(token)
-            else:
-                self._undo_rollout(token)
-                return
-
-    def _capacities(self) -> tuple[float, float]:
-        if self._roll_capacity is None or self._train_capacity is None:
-            self._roll_capacity = sum(self._speed.rollout_rate(n) for n in self._alive[Role.ROLLOUT])
-            self._train_capacity = sum(self._speed.train_rate(n) for n in self._alive[Role.TRAINER])
-        return self._roll_capacity, self._train_capacity
-
-    def _helper_pays(self, token: Token, name: str, batch: BatchState) -> bool:
-        """BTS-like test: does batch ``V`` finish sooner with this helper token than without it?
-
-        Predicted finish = max(rollout of the batch's not-yet-handed-out sample-steps over the
-        rollout devices' capacity, training of its untrained rows over the trainers' capacity).
-        The helper takes its sample-steps off the rollout term, but its fragment cannot finish
-        before the token ends plus its remaining steps on one device, and the trainer's share of
-        training capacity is lost for the token's length.
-        """
-        roll, train = self._capacities()
-        if roll <= 0:
-            return True  # no rollout device left: helping is the only way to finish
-        secs = self._speed.seconds(token, name)
-        helped = token.num_samples * (token.step_end - token.step_start)
-        left = batch.sample_steps_left + helped  # the token already took its share off
-        rows_left = batch.rows_total - batch.rows_done
-        without = max(left / roll, rows_left / train)
-        one_device = max(roll / max(1, len(self._alive[Role.ROLLOUT])), self._speed.rollout_rate(name))
-        rest = token.num_samples * (self.w.num_steps - token.step_end) / one_device
-        with_help = max((left - helped) / roll, secs + rest,
-                        rows_left / train + secs * self._speed.train_rate(name) / train)
-        return with_help < without
-
-    def _undo_rollout(self, token: Token) -> None:
-        """Take back a token that was built but not issued (TAG said no)."""
-        self._next_id -= 1
-        del self._running[token.device]
-        self._idle[Role.TRAINER][token.device] = None
-        batch = self._batches[token.batch]
-        batch.sample_steps_left += token.num_samples * (token.step_end - token.step_start)
-        for geo, source in zip(reversed(token.fragments), reversed(token.sources)):
-            info = batch.frags[geo.index]
-            info.dispatched = token.step_start
-            if token.step_start == 0:
-                info.state, info.version = FragState.UNSTARTED, -1
-                batch.unstarted.appendleft(geo.index)
-            else:
-                info.state = FragState.READY
-                self._held[source].add((batch.k, geo.index))
-                key = (token.policy_version, batch.k, token.step_start)
-                self._buckets.setdefault(key, deque()).appendleft((geo.index, info.epoch))
-                if key not in self._in_heap:
-                    self._in_heap.add(key)
-                    heapq.heappush(self._heaps.setdefault(token.policy_version, []), (batch.k, -token.step_start))
 
     # -- completions ---------------------------------------------------------------------------
     def _on_done(self, event: TokenDone) -> None:
@@ -497,27 +304,6 @@ class DisaggregatedSchedule(Schedule):
                 self._prev_published, self.published = self.published, token.policy_version
             self._open_batches()
 
-    def _rollout_done(self, token: Token) -> None:
-        batch = self._batches[token.batch]
-        name = token.device
-        finished = []
-        for geo in token.fragments:
-            info = batch.frags[geo.index]
-            info.step = token.step_end
-            info.holder = name
-            self._held.setdefault(name, set()).add((batch.k, geo.index))
-            if info.step < self.w.num_steps:
-                info.state = FragState.READY
-                self._push_ready(batch.k, geo.index)
-            else:
-                info.state = FragState.AWAIT_REWARD
-                finished.append((batch.k, geo.index, info.epoch))
-        if finished:
-            if self._alive[Role.REWARD]:
-                self._reward_queue.extend(finished)
-            else:
-                self._local_reward.setdefault(name, deque()).extend(finished)
-
     # -- faults --------------------------------------------------------------------------------
     def _on_died(self, name: str) -> None:
         role = self._role.get(name)
@@ -527,6 +313,7 @@ class DisaggregatedSchedule(Schedule):
         del self._alive[role][name]
         self._idle[role].pop(name, None)
         self._speed.remove(name)
+        self._helping.discard(name)
         self._kicked.pop(name, None)
         self._roll_capacity = self._train_capacity = None
         token = self._running.pop(name, None)

@@ -135,12 +135,18 @@ def resolve(options: ScheduleOptions, workload: Workload, n_rollout: int, n_trai
     if members is None:
         members = w.group_size
     frag_samples = groups * members
+    quarter = max(1, math.ceil(w.num_steps / 4))
     if options.tsp:
-        step_chunk = options.step_chunk or max(1, math.ceil(w.num_steps / 4))
         # One fragment's samples by default: bigger tokens advance many fragments in lockstep, so they
         # finish together at the end of the batch and training loses GAP's streaming (measured in
-        # the simulator: 1.3-1.5x longer makespans at a device's whole share per token).
+        # the simulator: 1.3-1.5x longer makespans at a device's whole share per token). A fragment
+        # already fills a pass (16+ samples: the per-pass launch latency is < 1 % of its compute),
+        # so more step-level batching buys nothing and only delays the first fragments.
         rollout_batch = options.rollout_batch or frag_samples
+        # With one fragment per token a rollout device runs its fragments depth-first anyway, so
+        # step ranges shorter than the trajectory only add tokens (4x the coordinator traffic at
+        # 1024 GPUs) unless several fragments share a pass; helpers still use short ranges.
+        step_chunk = options.step_chunk or (w.num_steps if rollout_batch <= frag_samples else quarter)
     else:
         step_chunk = w.num_steps
         rollout_batch = frag_samples
@@ -148,7 +154,7 @@ def resolve(options: ScheduleOptions, workload: Workload, n_rollout: int, n_trai
     train_pack = options.train_pack or (math.ceil(share / 4) if options.gap else share)
     if not options.tsp:
         train_pack = max(w.trained_steps, train_pack - train_pack % w.trained_steps)
-    tag_steps = options.tag_steps or max(1, math.ceil(step_chunk / 2))
+    tag_steps = options.tag_steps or max(1, math.ceil(min(step_chunk, quarter) / 2))
     return ResolvedSizes(groups, members, step_chunk, rollout_batch, train_pack, tag_steps)
 
 

@@ -205,6 +205,10 @@ class CostModel:
         moved = self.profile.weight_bytes * (1.0 + 1.0 / self._train_side)
         return moved / (spec.pcie_bytes_per_s * self.params.pcie_efficiency)
 
+    def helper_switch_seconds(self, device: Device) -> float:
+        """``base.SwitchCost``: the schedule's TAG decision charges what the engine charges."""
+        return self.tag_switch_seconds(device.name)
+
     def tag_switch_seconds(self, name: str) -> float:
         """A trainer entering or leaving helper generation: onload/offload the rollout weights."""
         spec = self.specs[name]
