@@ -67,6 +67,7 @@ class ModelConfig:
     finetune: str = "lora"
     lora_rank: int = 8
     lora_alpha: float = 16.0
+    lora_targets: list[str] = field(default_factory=list)  # module-name suffixes; empty = the model's default
     # "signal": re-draw a random preset's VAE decoder convs (He init) so pixels depend on the latent;
     # see digenrl/recipes/_toy.py. Never applies to pretrained weights.
     vae_init: str = "default"
@@ -101,6 +102,9 @@ class RolloutConfig:
     fraction: float = 0.6
     group_size: int = 4
     prompts_per_batch: int = 8
+    # Members of a group share x_0 (DanceGRPO's init_same_noise; ALGORITHM (e).13): reward differences
+    # inside a group then come only from the transition noise the policy gradient credits.
+    same_init_noise: bool = False
 
     def __post_init__(self) -> None:
         from digenrl.rl.sde import SDE_KINDS

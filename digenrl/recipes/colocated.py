@@ -88,7 +88,8 @@ def setup(cfg: Config) -> ColocatedRun:
     if m.vae_init == "signal":
         signal_preserving_decoder_init(model, seed=m.seed + 3)
     if m.finetune == "lora":
-        params = apply_lora(model, rank=m.lora_rank, alpha=m.lora_alpha, seed=m.seed)
+        params = apply_lora(model, rank=m.lora_rank, alpha=m.lora_alpha, seed=m.seed,
+                            target_modules=m.lora_targets or None)
     else:
         params = enable_full_finetune(model)
     t = cfg.train
@@ -137,7 +138,10 @@ def iteration(run: ColocatedRun, it: int) -> tuple[dict[str, float], torch.Tenso
     cond = repeat_cond(model.encode_prompts(batch_prompts), g)
     seed = cfg.log.seed * 1_000_003 + it
     gen = torch.Generator().manual_seed(seed)
-    x0 = model.prepare_latents(len(prompts), generator=gen)
+    if ro.same_init_noise:
+        x0 = model.prepare_latents(len(batch_prompts), generator=gen).repeat_interleave(g, dim=0)
+    else:
+        x0 = model.prepare_latents(len(prompts), generator=gen)
     plan = plan_steps(ro.num_steps, groups, mode=ro.steps, window=ro.window, fraction=ro.fraction, seed=seed)  # type: ignore[arg-type]
     res = rollout_steps(model.velocity, x0, cond, run.sigmas, plan, 0, ro.num_steps,
                         noise_level=ro.noise_level, kind=ro.sde, generator=gen, policy_version=it)  # type: ignore[arg-type]

@@ -12,8 +12,9 @@ _COLOR_WORDS = ("red", "green", "blue", "yellow", "cyan", "magenta", "white", "b
 _SHAPES = ("square", "circle")
 
 PROMPT_SETS: dict[str, tuple[str, ...]] = {
-    # 8 colours x 2 shapes: the colour reward reads the colour word; the shape word varies the text.
-    "color": tuple(f"a {c} {s}" for c in _COLOR_WORDS for s in _SHAPES),
+    # 8 colours, shapes alternating: the colour reward reads the colour word. With 8 prompts per batch
+    # every iteration sees every prompt, so the mean reward is comparable across iterations.
+    "color": tuple(f"a {c} {_SHAPES[k % 2]}" for k, c in enumerate(_COLOR_WORDS)),
     "simple": (
         "a cat", "a dog", "a house", "a tree", "a mountain lake", "a city at night", "a bowl of fruit",
         "a red car", "a sailing boat", "a forest path", "a portrait of an old man", "a field of flowers",
