@@ -279,9 +279,13 @@ class Coordinator:
             return
         exc = task.exception()
         if isinstance(exc, ActorDied):
-            for name in token.devices:
-                if self.is_dead(name) or name == token.device:
-                    self._died(name, str(exc))
+            # The actor named in the error died (for PUBLISH over torchdist it may be a receiver,
+            # whose death also breaks the collective group: then the run stops at the trainer).
+            dead = exc.actor if exc.actor in self.role else token.device
+            self._died(dead, exc.reason)
+            if dead != token.device and token.kind is TokenKind.PUBLISH and self.weights_lane == "torchdist":
+                raise RunStopped(f"rollout actor {dead} died inside a torch.distributed weight broadcast; "
+                                 "the group is broken. Resume with --resume <run dir>")
             return
         if exc is not None:
             await asyncio.sleep(0.3)  # let supervision mark a dead peer first: the error may be its echo

@@ -5,7 +5,8 @@
 * ``colocated``: the single-process reference loop (:func:`digenrl.recipes.colocated.train`), one
   process using ``placement.threads`` (2) cores;
 * each actor schedule (``disaggregated``, ``gap``, ``tsp``, ``tag``, ``async1``): the disaggregated
-  recipe, a coordinator plus one process per actor with one torch thread each.
+  recipe, a coordinator plus one process per actor with one torch thread each; a name with the
+  suffix ``+reward`` (e.g. ``async1+reward``) adds a reward actor that decodes and scores.
 
 Each row has the simulator's ``bubbles.json`` schema (scenario names start with ``real-``), measured
 over the steady window (batch 0's optimizer step excluded), with per-actor bubble ratios and
@@ -40,7 +41,7 @@ from digenrl.sim.metrics import summarize
 __all__ = ["MeasuredCost", "run_real_bubbles", "REAL_DEFAULT_SCHEDULES", "DEFAULT_CONFIG"]
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "tiny-disagg.toml"
-REAL_DEFAULT_SCHEDULES = ("colocated", "disaggregated", "gap", "tag", "async1")
+REAL_DEFAULT_SCHEDULES = ("colocated", "disaggregated", "tag", "async1", "async1+reward")
 
 
 def _units(token: Token) -> float:
@@ -162,7 +163,7 @@ def run_real_bubbles(schedules: list[str] | None = None, num_batches: int = 8, o
 
     chosen = list(schedules or REAL_DEFAULT_SCHEDULES)
     for s in chosen:
-        if s != "colocated" and s not in ACTOR_SCHEDULES:
+        if s != "colocated" and s.removesuffix("+reward") not in ACTOR_SCHEDULES:
             raise ConfigError(f"unknown schedule {s!r}; known: colocated, {', '.join(ACTOR_SCHEDULES)}")
     if num_batches < 2:
         raise ConfigError(f"num_batches={num_batches}: needs at least 2 (the first batch is the warm-up window)")
@@ -176,7 +177,9 @@ def run_real_bubbles(schedules: list[str] | None = None, num_batches: int = 8, o
     colocated_row: dict[str, Any] | None = None
     try:
         for sched in chosen:
-            cfg, settings = load_disagg_config(config, [*base, f"schedule.name={sched}"])
+            # "<schedule>+reward": the same schedule with a reward actor of its own (decode + score).
+            extra = ["placement.reward=1"] if sched.endswith("+reward") else []
+            cfg, settings = load_disagg_config(config, [*base, f"schedule.name={sched.removesuffix('+reward')}", *extra])
             start = time.perf_counter()
             if sched == "colocated":
                 # Both cores in one process (the baseline), and one core: on a loaded machine a
@@ -203,8 +206,8 @@ def run_real_bubbles(schedules: list[str] | None = None, num_batches: int = 8, o
         pooled = MeasuredCost.fit([t for _, tokens, _, _ in runs.values() for t in tokens])
         results = []
         for sched, (result, _, wall, devices) in runs.items():
-            sim = simulate(make_schedule(sched, devices, result.workload, pooled), devices, result.workload,
-                           pooled)  # type: ignore[arg-type]
+            sim = simulate(make_schedule(sched.removesuffix("+reward"), devices, result.workload, pooled), devices,
+                           result.workload, pooled)  # type: ignore[arg-type]
             rows.append(_row(f"real-{sched}", sched, result, sim, summarize(result).steady.samples_per_s, wall, devices))
             results.append(result)
         base_sps = colocated_row["samples_per_s"] if colocated_row else None
