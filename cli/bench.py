@@ -74,7 +74,8 @@ def bubbles(
     console.print(table)
     cal = report.calibration
     console.print(f"cost model fixed from the veRL-Omni colocated calibration: mfu_rollout={cal['mfu_rollout']:.3f}, "
-                  f"mfu_train={cal['mfu_train']:.3f}")
+                  f"mfu_train={cal['mfu_train']:.3f}, mfu_reward={cal['mfu_reward']:.4f}; the colocated baseline also "
+                  f"recomputes old log-probs ({cal['old_logprob_passes']:g} forward/row)")
     for path in report.files[:1]:
         console.print(f"wrote {path} and {len(report.files) - 1} trace/Gantt files")
 

@@ -68,7 +68,9 @@ class TagMixin:
         idle = self._idle[Role.TRAINER]
         if not idle or self._optim_running or self._train_ready():
             return
-        last = min(self._opened, self.version + self.opt.staleness)
+        # A trainer holds only version V, so a fragment it starts for batch V + 1 must be finishable by
+        # rollout devices (they keep V as their previous version once V + 1 is published).
+        last = min(self._opened, self.version + (self.opt.staleness if self._alive[Role.ROLLOUT] else 0))
         for name in list(idle):
             for b in range(self.version, last + 1):
                 batch = self._batches.get(b)
@@ -79,6 +81,8 @@ class TagMixin:
                     break
             else:
                 return  # nothing a trainer may generate
+            if self._training_bound(pick[1]):
+                return  # no helper token can shorten these batches (see _training_bound)
             cap = round(self.sizes.rollout_batch * self._speed.relative_speed(name, TokenKind.ROLLOUT))
             token = self._rollout_token(name, pick, cap, self.sizes.tag_steps, helper=True)
             if not self._helper_pays(token, name):
@@ -89,9 +93,25 @@ class TagMixin:
 
     def _capacities(self) -> tuple[float, float]:
         if self._roll_capacity is None or self._train_capacity is None:
-            self._roll_capacity = sum(self._speed.rollout_rate(n) for n in self._alive[Role.ROLLOUT])
+            self._roll_capacity = sum(self._effective_rollout_rate(n) for n in self._alive[Role.ROLLOUT])
             self._train_capacity = sum(self._speed.train_rate(n) for n in self._alive[Role.TRAINER])
         return self._roll_capacity, self._train_capacity
+
+    def _effective_rollout_rate(self, name: str) -> float:
+        """Sample-steps per second of a rollout device, counting the scoring it also does.
+
+        Without REWARD devices the device holding the final latents decodes and scores them, so
+        each sample costs ``num_steps`` sample-steps plus one reward; ignoring that makes a
+        rollout-bound pipeline look training-bound (and TAG would never help).
+        """
+        rate = self._speed.rollout_rate(name)
+        if self._alive[Role.REWARD] or rate <= 0:
+            return rate
+        n = 64
+        probe = Token(-1, TokenKind.REWARD, name, 0, num_samples=n)
+        per_sample = self._speed.seconds(probe, name) / n
+        steps = self.w.num_steps
+        return steps / (steps / rate + per_sample)
 
     def helper_switch(self, name: str) -> float:
         """Predicted seconds of one onload or offload of the rollout state on trainer ``name``."""
@@ -101,6 +121,29 @@ class TagMixin:
             secs = self._switch_cache[name] = fn(self._devices[name]) if fn is not None else 0.0
         return secs
 
+    def _work_left(self, upto: int) -> tuple[int, int]:
+        """Sample-steps not yet handed out and rows not yet trained of batches ``V..upto``."""
+        left = rows_left = 0
+        for b in range(self.version, upto + 1):
+            batch = self._batches.get(b)
+            if batch is not None:
+                left += batch.sample_steps_left
+                rows_left += batch.rows_total - batch.rows_done
+        return left, rows_left
+
+    def _training_bound(self, upto: int) -> bool:
+        """Training alone outlasts the remaining rollout: ``_helper_pays`` would say no to any token.
+
+        Its with-help makespan is at least the training term plus the forgone training, which is
+        more than the without-help makespan once that equals the training term.
+        """
+        roll, train = self._capacities()
+        if roll <= 0:
+            return False
+        left, rows_left = self._work_left(upto)
+        tail = self.sizes.rollout_batch * self.w.trained_steps / train
+        return rows_left / train >= left / roll + tail
+
     def _helper_pays(self, token: Token, name: str) -> bool:
         """BTS-like test: do the batches up to ``token.batch`` finish sooner with this helper token?"""
         roll, train = self._capacities()
@@ -109,13 +152,8 @@ class TagMixin:
         switch = self.helper_switch(name)
         secs = self._speed.seconds(token, name) + switch + (0.0 if name in self._helping else switch)
         helped = token.num_samples * (token.step_end - token.step_start)
-        left = helped  # the token already took its share off its batch
-        rows_left = 0
-        for b in range(self.version, token.batch + 1):
-            batch = self._batches.get(b)
-            if batch is not None:
-                left += batch.sample_steps_left
-                rows_left += batch.rows_total - batch.rows_done
+        left, rows_left = self._work_left(token.batch)
+        left += helped  # the token already took its share off its batch
         # After the last sample-step is generated, its fragment still has to be trained.
         tail = token.num_samples * self.w.trained_steps / train
         without = max(left / roll + tail, rows_left / train)

@@ -183,8 +183,20 @@ class DisaggregatedSchedule(RolloutMixin, TagMixin, Schedule):
         else:
             raise TypeError(f"not a schedule event: {event!r}")
         if not self.done and not self.failed:
+            if not self._alive[Role.ROLLOUT]:
+                self._restart_orphans()
             self._dispatch(out)
         return out
+
+    def _restart_orphans(self) -> None:
+        """No rollout device left: READY fragments of a version older than the trainers' ``V`` can
+        never continue (only rollout devices keep an older version), so they restart from noise."""
+        for batch in self._batches.values():
+            for info in batch.frags:
+                if info.state is FragState.READY and info.version < self.version:
+                    if info.holder in self._held:
+                        self._held[info.holder].discard((batch.k, info.geo.index))
+                    batch.restart(info.geo.index)
 
     # -- helpers -------------------------------------------------------------------------------
     def _token(self, kind: TokenKind, device: str, batch: int, **fields: object) -> Token:

@@ -109,6 +109,8 @@ def run_bubbles(scenarios: list[str] | None = None, schedules: list[str] | None 
         raise ConfigError(f"num_batches={num_batches}: needs at least 2 (the first batch is the warm-up window)")
     cal = calibrate()
     report = BubbleReport([], {"mfu_rollout": cal.params.mfu_rollout, "mfu_train": cal.params.mfu_train,
+                               "mfu_reward": cal.params.mfu_reward,
+                               "old_logprob_passes": cal.params.old_logprob_passes,
                                "step_breakdown_s": {"generation": cal.generation, "reward": cal.reward,
                                                     "switches": cal.switches, "optim": cal.optim, "train": cal.train}})
     if out is not None:

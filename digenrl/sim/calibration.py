@@ -13,12 +13,16 @@ The fit, in order:
 
 1. ``mfu_rollout`` = generation FLOPs (512 x 10 x 2 CFG transformer passes, 32 prompt encodings,
    512 VAE decodes) / (4 x peak x 107.9 s).
-2. Reward (Qwen3-VL-8B scoring 512 images), the two phase switches, and the optimizer step are
-   computed from first principles with that utilisation and the catalog's bandwidths.
-3. ``mfu_train`` = training FLOPs (512 x 2 rows x 2 CFG x 4 passes) / (4 x peak x what is left of 420 s).
+2. ``mfu_reward``: reward (Qwen3-VL-8B scoring 512 images) costs the colocated step the 60 s that
+   moving it to a 5th GPU saved (420 -> 360 s/step, same page). The two phase switches and the
+   optimizer step are computed from first principles with the catalog's bandwidths.
+3. ``mfu_train`` = training FLOPs (512 x 2 rows x 2 CFG x (4 passes + 1 old-log-prob recompute forward,
+   ``CostParams.old_logprob_passes``)) / (4 x peak x what is left of 420 s).
 
 Everything veRL-Omni spends beyond counted FLOPs therefore lands in ``mfu_train``, which every schedule
-pays alike. That choice is deliberately conservative for digenrl: none of the baseline's unexplained
+pays alike. The one modelled difference is the old-log-prob recompute (veRL-Omni: about 20 % of a step),
+which the colocated baseline pays and digenrl's dedicated trainers do not (they use the stored
+behaviour log-probs). That choice is deliberately conservative for digenrl: none of the baseline's unexplained
 time is assumed to vanish when rollout and training are split.
 """
 
@@ -49,6 +53,7 @@ class Published:
     trained_steps: int
     step_seconds: float
     generation_seconds: float
+    reward_seconds: float  # reward on the critical path: sync-reward step minus async-reward step
 
     @property
     def samples(self) -> int:
@@ -63,6 +68,9 @@ PUBLISHED = Published(
     source="verl-omni docs/algo/performance.md (0.305 img/GPU/s, 420 s/step) + docs/start/rollout_batching.md (107.9 s gen)",
     model="qwen-image", device="H800", gpus=4, prompts=32, group_size=16, num_steps=10, trained_steps=2,
     step_seconds=420.0, generation_seconds=107.9,
+    # Same recipe with the reward model on a 5th GPU (async reward): 360 s/step, so scoring costs the
+    # colocated step about 60 s (performance.md, "LoRA r64 + async reward", 0.280 img/GPU/s).
+    reward_seconds=420.0 - 360.0,
 )
 
 
@@ -93,15 +101,18 @@ def calibrate(ref: Published = PUBLISHED) -> Calibration:
     gen_flops += ref.prompts * prof.text_flops + ref.samples * prof.decode_flops
     mfu_rollout = gen_flops / (peak * ref.generation_seconds)
 
-    probe = CostParams(mfu_rollout=mfu_rollout, mfu_train=1.0)
+    reward = ref.reward_seconds
+    mfu_reward = min(1.0, ref.samples * prof.reward_flops / (peak * reward))
+    probe = CostParams(mfu_rollout=mfu_rollout, mfu_train=1.0, mfu_reward=mfu_reward)
     model = CostModel(prof, {n: spec for n in names}, probe, {n: Role.HYBRID for n in names})
-    reward = ref.samples * prof.reward_flops / (peak * mfu_rollout)
     switches = 2 * model.switch_seconds(names[0])
     optim = model.seconds(Token(0, TokenKind.OPTIM, names[0], 0, group=tuple(names)), Device(names[0], Role.HYBRID))
     train = ref.step_seconds - ref.generation_seconds - reward - switches - optim
-    train_flops = ref.samples * ref.trained_steps * prof.cfg_train * TRAIN_PASSES * prof.forward_flops
+    # The reference trainer is colocated: its train phase includes the old-log-prob recompute.
+    passes = TRAIN_PASSES + probe.old_logprob_passes
+    train_flops = ref.samples * ref.trained_steps * prof.cfg_train * passes * prof.forward_flops
     mfu_train = train_flops / (peak * train)
-    params = CostParams(mfu_rollout=mfu_rollout, mfu_train=mfu_train)
+    params = CostParams(mfu_rollout=mfu_rollout, mfu_train=mfu_train, mfu_reward=mfu_reward)
     return Calibration(params, ref.generation_seconds, reward, switches, optim, train)
 
 

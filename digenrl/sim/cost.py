@@ -9,8 +9,10 @@ model, device and schedule. Nothing here knows which schedule is running.
 Per token (``F`` = one transformer pass of one sample, ``profiles.ModelProfile.forward_flops``):
 
 - ROLLOUT: samples x steps x cfg_rollout x F, plus the prompt encodings when the trajectory starts.
-- REWARD: samples x (VAE decode + reward model), both counted FLOPs.
-- TRAIN: rows x cfg_train x ``TRAIN_PASSES`` x F; TSP-packed rows save ``TSP_TRAIN_SAVING``.
+- REWARD: samples x (VAE decode + reward model), both counted FLOPs; the reward model at its own
+  utilisation (``mfu_reward``, fitted to veRL-Omni's sync vs async reward step times).
+- TRAIN: rows x cfg_train x ``TRAIN_PASSES`` x F; TSP-packed rows save ``tsp_train_saving``. A colocated
+  (HYBRID) trainer also recomputes the old log-probs (``old_logprob_passes`` forwards per row).
   Trajectory tensors (x_i, x_{i+1}) come over the network on a dedicated trainer.
 - OPTIM: AdamW's memory traffic over HBM, plus a ring all-reduce of the gradients over the group.
 - PUBLISH: the trainable weights (LoRA adapter or full model, bf16) at the measured NCCL
@@ -58,6 +60,17 @@ class CostParams:
         optimizer_bytes_per_param: AdamW with fp32 master weights reads p, g, m, v and writes p, m, v
             (7 x 4 bytes) plus the bf16 copy: 30 bytes per trainable parameter.
         pass_latency_s: host-side latency per transformer pass (launches, Python); 5 ms.
+        old_logprob_passes: forward passes per trained row a colocated (veRL-Omni hybrid) trainer
+            spends recomputing the old policy's log-probs before the update. veRL-Omni's
+            ``docs/algo/rollout_correction.md``: recomputing old log-probs costs about 20 % of a
+            step and only its bypass mode skips it; one forward of the four passes a row costs to
+            train (``TRAIN_PASSES``) is 15-20 % of the calibrated step. digenrl's rollout stores the
+            behaviour log-probs with the trajectory (DESIGN.md §3), so dedicated trainers skip it.
+            0 models a baseline in bypass mode.
+        mfu_reward: utilisation of the reward model's forwards (``None``: ``mfu_rollout``). Fitted to
+            veRL-Omni's async-reward row: moving Qwen3-VL-8B scoring off the 4 training GPUs took the
+            step from 420 s to 360 s (``docs/algo/performance.md``), so scoring 512 images costs about
+            60 s on the critical path, far above its counted FLOPs (autoregressive VLM serving).
     """
 
     mfu_rollout: float
@@ -67,8 +80,12 @@ class CostParams:
     pcie_efficiency: float = 0.8
     optimizer_bytes_per_param: float = 30.0
     pass_latency_s: float = 0.005
+    old_logprob_passes: float = 1.0
+    mfu_reward: float | None = None
 
     def __post_init__(self) -> None:
+        if self.mfu_reward is not None and not 0.0 < self.mfu_reward <= 1.0:
+            raise ConfigError(f"cost.mfu_reward={self.mfu_reward!r}: must be in (0, 1] or unset")
         for name in ("mfu_rollout", "mfu_train", "weight_sync_efficiency", "pcie_efficiency"):
             value = getattr(self, name)
             if not 0.0 < value <= 1.0:
@@ -102,7 +119,7 @@ class CostModel:
         prof = self.profile
         self._k = {
             "roll": prof.cfg_rollout * prof.forward_flops, "text": prof.text_flops,
-            "reward": prof.decode_flops + prof.reward_flops, "latent": prof.latent_bytes,
+            "decode": prof.decode_flops, "reward": prof.reward_flops, "latent": prof.latent_bytes,
             "train": prof.cfg_train * TRAIN_PASSES * prof.forward_flops,
         }
         self._train_side = sum(1 for r in self.roles.values() if r in (Role.HYBRID, Role.TRAINER)) or 1
@@ -112,6 +129,10 @@ class CostModel:
             i = counts.get(spec.name, 0)
             counts[spec.name] = i + 1
             self._node[name] = hash((spec.name, i // GPUS_PER_NODE))
+
+    @property
+    def _mfu_reward(self) -> float:
+        return self.params.mfu_reward or self.params.mfu_rollout
 
     # -- link bandwidths ---------------------------------------------------------------------------
 
@@ -152,8 +173,9 @@ class CostModel:
                 flops += sum(f.num_prompts for f in token.fragments) * k["text"]
             return self._compute(flops, spec, p.mfu_rollout) + steps * p.pass_latency_s + self._pull(token, device)
         if kind is TokenKind.REWARD:
-            flops = token.num_samples * k["reward"]
-            return self._compute(flops, spec, p.mfu_rollout) + p.pass_latency_s + self._pull(token, device)
+            n = token.num_samples
+            return (self._compute(n * k["decode"], spec, p.mfu_rollout) + self._compute(n * k["reward"], spec, self._mfu_reward)
+                    + p.pass_latency_s + self._pull(token, device))
         if kind is TokenKind.TRAIN:
             return self._train(token, device, spec)
         if kind is TokenKind.OPTIM:
@@ -176,6 +198,8 @@ class CostModel:
     def _train(self, token: Token, device: Device, spec: DeviceSpec) -> float:
         p = self.params
         seconds = self._compute(token.transitions * self._k["train"], spec, p.mfu_train)
+        if self.roles.get(device.name) is Role.HYBRID:
+            seconds *= (TRAIN_PASSES + p.old_logprob_passes) / TRAIN_PASSES  # the old-log-prob recompute
         if token.packed:
             seconds *= 1.0 - p.tsp_train_saving
         if self.roles.get(device.name) is Role.TRAINER:
@@ -220,6 +244,7 @@ class CostModel:
         """Device-seconds of rollout (+reward) and of training for one logical batch on ``spec``."""
         p, prof = self.params, self.profile
         roll = samples * num_steps * prof.cfg_rollout * prof.forward_flops + prompts * prof.text_flops
-        roll += samples * (prof.decode_flops + prof.reward_flops)
+        roll += samples * prof.decode_flops
+        reward = self._compute(samples * prof.reward_flops, spec, self._mfu_reward)
         train = trained_rows * prof.cfg_train * TRAIN_PASSES * prof.forward_flops
-        return self._compute(roll, spec, p.mfu_rollout), self._compute(train, spec, p.mfu_train)
+        return self._compute(roll, spec, p.mfu_rollout) + reward, self._compute(train, spec, p.mfu_train)

@@ -72,8 +72,9 @@ CASES = {
         7 r0 rollout b1 f0,1 s0-1 v1 | 8 r1 rollout b1 f0,1 s1-2 v1 | 9 r1 reward b1 f0,1
         10 t0 train b1 f0[0:2] v1 | 11 t0 train b1 f1[0:2] v1 | 12 t0 optim b1 [t0]"""),
     # One-step async: batch 1 rolls out with v0 while batch 0 trains, and trains from v0 (staleness 1).
+    # (TAG off here: with every token 1 s the trainer's idle instants are artefacts of event order.)
     "async1": (("async1", [R("r0"), T("t0")], SMALL, True,
-                {"fragment_groups": 1, "step_chunk": 2, "rollout_batch": 2}), """
+                {"fragment_groups": 1, "step_chunk": 2, "rollout_batch": 2, "tag": False}), """
         0 r0 rollout b0 f0 s0-2 v0 | 1 r0 reward b0 f0 | 2 t0 train b0 f0[0:1] v0 | 2 r0 rollout b0 f1 s0-2 v0
         3 t0 train b0 f0[1:2] v0 | 3 r0 reward b0 f1 | 4 t0 train b0 f1[0:1] v0 | 4 r0 rollout b1 f0 s0-2 v0
         5 t0 train b0 f1[1:2] v0 | 5 r0 reward b1 f0 | 6 t0 optim b0 [t0] | 6 r0 rollout b1 f1 s0-2 v0
@@ -91,6 +92,17 @@ CASES = {
         0 r0 rollout b0 f0 s0-2 v0 | 0.06 r0 rollout b0 f0 s2-4 v0 | 0.12 r0 reward b0 f0
         0.14 t0 train b0 f0[0:1] v0 | 0.14 r0 rollout b0 f1 s0-2 v0 | 0.2 r0 rollout b0 f1 s2-4 v0
         0.26 r0 reward b0 f1 | 0.39 t0 train b0 f1[0:1] v0 | 0.64 t0 optim b0 [t0]"""),
+    # TAG ahead with staleness 1: the idle trainer starts batch 1's f0 with v0 (s0-2); after v1 is
+    # published the rollout device finishes it with v0, its previous version (s2-4), and it trains into
+    # v2 (staleness 1). Without TAG the same run ends at 4.25.
+    "async1-tag-ahead": (("async1", [R("r0", 0.5), T("t0")],
+                          Workload(num_batches=2, prompts_per_batch=2, group_size=1, num_steps=4, trained_steps=1),
+                          False, {"fragment_groups": 1, "step_chunk": 4, "tag_steps": 2, "rollout_batch": 1}), """
+        0 r0 rollout b0 f0 s0-4 v0 | 0 t0 rollout b0 f1 s0-2 v0 tag | 0.25 t0 rollout b0 f1 s2-4 v0 tag
+        0.5 t0 reward b0 f1 | 0.55 t0 train b0 f1[0:1] v0 | 0.8 t0 rollout b1 f0 s0-2 v0 tag
+        0.9 r0 reward b0 f0 | 1 r0 rollout b1 f1 s0-4 v0 | 1.05 t0 train b0 f0[0:1] v0 | 1.3 t0 optim b0 [t0]
+        1.8 t0 publish b0 v1 | 1.9 r0 reward b1 f1 | 2 r0 rollout b1 f0 s2-4 v0 | 2.3 t0 train b1 f1[0:1] v0
+        2.5 r0 reward b1 f0 | 2.6 t0 train b1 f0[0:1] v0 | 2.85 t0 optim b1 [t0]"""),
     # No rollout device at all: the trainer generates everything, training first.
     "tag-trainer-only": (("tag", [T("t0")], TINY, False,
                           {"fragment_groups": 1, "step_chunk": 2, "tag_steps": 2, "rollout_batch": 1}), """
