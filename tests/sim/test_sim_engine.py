@@ -117,3 +117,28 @@ def test_cost_scales_with_work_and_tsp_saves_its_share() -> None:
     lat = calibrated_params().pass_latency_s
     assert (two - lat) == pytest.approx(2 * (one - lat), rel=1e-6)
     assert packed < two and (two - packed) / two == pytest.approx(calibrated_params().tsp_train_saving, rel=0.05)
+
+
+def test_colocated_pays_the_old_logprob_recompute_and_reward_matches_the_async_delta() -> None:
+    params = calibrated_params()
+    sc = scenario("qwen-16")
+    co_devices, co_cost = placement(sc, colocated=True)
+    dis_devices, dis_cost = placement(sc, colocated=False)
+    hybrid = co_devices[0]
+    trainer = next(d for d in dis_devices if d.role is Role.TRAINER)
+    rows = 256
+    co = co_cost.seconds(Token(0, TokenKind.TRAIN, hybrid.name, 0, transitions=rows), hybrid)
+    dis = dis_cost._train(Token(0, TokenKind.TRAIN, trainer.name, 0, transitions=rows), trainer,
+                          dis_cost.specs[trainer.name])
+    net = rows * 2 * dis_cost.profile.latent_bytes / dis_cost.specs[trainer.name].net_bytes_per_s
+    lat = params.pass_latency_s
+    # 4 training passes + 1 recompute forward on the hybrid engine vs 4 on a dedicated trainer.
+    assert (co - lat) / (dis - net - lat) == pytest.approx(5 / 4, rel=1e-9)
+    # Scoring the published batch on the 4 reference GPUs costs the 60 s that async reward saved.
+    ref = Scenario("calib", PUBLISHED.model, PUBLISHED.prompts, PUBLISHED.group_size, PUBLISHED.num_steps,
+                   PUBLISHED.trained_steps, ((PUBLISHED.device, PUBLISHED.gpus),))
+    devices, cost = placement(ref, colocated=True)
+    per_gpu = PUBLISHED.samples // PUBLISHED.gpus
+    reward = cost.seconds(Token(0, TokenKind.REWARD, devices[0].name, 0, num_samples=per_gpu), devices[0])
+    decode = per_gpu * cost.profile.decode_flops / (cost.specs[devices[0].name].peak_bf16_flops * params.mfu_rollout)
+    assert reward - decode - lat == pytest.approx(420.0 - 360.0, rel=1e-6)
