@@ -213,6 +213,7 @@ class RolloutMixin:
         batch = self._batches[token.batch]
         name = token.device
         finished = []
+        batch.sample_steps_undone -= token.num_samples * (token.step_end - token.step_start)
         for geo in token.fragments:
             info = batch.frags[geo.index]
             info.step = token.step_end

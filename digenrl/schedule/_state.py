@@ -64,6 +64,7 @@ class BatchState:
         self.pcs_done = 0
         self.n_scored = 0
         self.sample_steps_left = w.samples_per_batch * w.num_steps  # not yet handed out
+        self.sample_steps_undone = self.sample_steps_left  # not yet completed (running ones included)
         self.rows_total = w.rows_per_batch
         self.rows_done = 0
         self.rows_queued = 0  # trainable, not yet handed out
@@ -154,6 +155,7 @@ class BatchState:
         """Fragment ``f`` lost its latents: generate it again from noise (any version allowed)."""
         info = self.frags[f]
         self.sample_steps_left += info.geo.num_samples * info.dispatched
+        self.sample_steps_undone += info.geo.num_samples * info.step
         info.epoch += 1
         info.state = FragState.UNSTARTED
         info.version = -1

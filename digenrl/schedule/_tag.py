@@ -8,7 +8,7 @@ bound the rollout devices obey). Training is always dispatched before helping.
 The decision (BTS, verl-omni#321: "insert TAG only where it lowers the predicted makespan") compares
 the predicted finish of the batches up to the token's one, with and without the token:
 
-- rollout term: sample-steps not yet handed out over the rollout devices' capacity, plus the tail
+- rollout term: sample-steps not yet completed over the rollout devices' capacity, plus the tail
   (the last fragment's training after it is generated);
 - the helped fragment's own path: the token, then its remaining steps on one device;
 - training term: untrained rows over the trainers' capacity, plus the training the helper forgoes
@@ -122,12 +122,16 @@ class TagMixin:
         return secs
 
     def _work_left(self, upto: int) -> tuple[int, int]:
-        """Sample-steps not yet handed out and rows not yet trained of batches ``V..upto``."""
+        """Sample-steps not yet completed and rows not yet trained of batches ``V..upto``.
+
+        Running rollout tokens count as work left: in a pipeline that runs ahead, most of the next
+        batch is handed out long before it is generated, and trainers still wait for it.
+        """
         left = rows_left = 0
         for b in range(self.version, upto + 1):
             batch = self._batches.get(b)
             if batch is not None:
-                left += batch.sample_steps_left
+                left += batch.sample_steps_undone
                 rows_left += batch.rows_total - batch.rows_done
         return left, rows_left
 
@@ -152,8 +156,7 @@ class TagMixin:
         switch = self.helper_switch(name)
         secs = self._speed.seconds(token, name) + switch + (0.0 if name in self._helping else switch)
         helped = token.num_samples * (token.step_end - token.step_start)
-        left, rows_left = self._work_left(token.batch)
-        left += helped  # the token already took its share off its batch
+        left, rows_left = self._work_left(token.batch)  # includes the token's own sample-steps
         # After the last sample-step is generated, its fragment still has to be trained.
         tail = token.num_samples * self.w.trained_steps / train
         without = max(left / roll + tail, rows_left / train)
