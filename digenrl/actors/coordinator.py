@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from digenrl.config import Config
-from digenrl.errors import ActorDied, DigenrlError, StalenessViolation
+from digenrl.errors import ActorDied, ConfigError, DigenrlError, StalenessViolation
 from digenrl.rl.advantages import GroupAssembler
 from digenrl.rl.loss import reduce_stats
 from digenrl.schedule import make_schedule
@@ -119,6 +119,9 @@ class Coordinator:
         self.checkpoint_every = checkpoint_every
         self.on_step = on_step
         self.on_images = on_images
+        if cfg.train.control == "shuffled":
+            raise ConfigError("train.control = 'shuffled' permutes advantages across the whole batch, which "
+                              "a streaming (GAP) run never holds at once; use the colocated recipe for it")
         ro = cfg.rollout
         self.workload = Workload(cfg.train.iterations - base, ro.prompts_per_batch, ro.group_size, ro.num_steps,
                                  trained_steps(cfg))
@@ -235,7 +238,8 @@ class Coordinator:
         sids = [f.sample_ids() for f in token.fragments]
         async with self._adv_ready:
             await self._adv_ready.wait_for(lambda: all(s in book.adv for ss in sids for s in ss))
-        return [{"adv": [book.adv[s][0] for s in ss], "keep": [not book.adv[s][1] for s in ss],
+        sign = -1.0 if self.cfg.train.control == "negated" else 1.0  # the negative control of ALGORITHM (f)
+        return [{"adv": [sign * book.adv[s][0] for s in ss], "keep": [not book.adv[s][1] for s in ss],
                  "store": book.stored_at[f.index]} for f, ss in zip(token.fragments, sids, strict=True)]
 
     async def _publish(self, version: int) -> dict[str, Any]:

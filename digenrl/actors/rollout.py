@@ -170,7 +170,12 @@ class FragmentEngine:
         b, f, p0, p1, m0, m1, _ = geo
         gen = torch.Generator().manual_seed(fragment_seed(self.cfg.log.seed, b, f))
         n = (p1 - p0) * (m1 - m0)
-        x = self.model.prepare_latents(n, generator=gen)
+        if getattr(self.cfg.rollout, "same_init_noise", False):
+            # Members of a group share x_0, seeded per prompt: the same whichever fragments split the group.
+            x = torch.cat([self.model.prepare_latents(1, generator=torch.Generator().manual_seed(
+                fragment_seed(self.cfg.log.seed, b, -1 - p))) for p in range(p0, p1)]).repeat_interleave(m1 - m0, dim=0)
+        else:
+            x = self.model.prepare_latents(n, generator=gen)
         cond = repeat_cond(self._cond(prompts[p0:p1]), m1 - m0)
         return FragmentData(list(geo), version, 0, x.float(), gen, cond)
 

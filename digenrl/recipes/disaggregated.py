@@ -172,7 +172,9 @@ async def arun_disaggregated(cfg: Config, out_dir: str | Path | None = None, res
         save_grid(imgs[: cfg.log.images_per_grid].float() / 255, out / "samples" / f"step_{step:05d}.png",
                   columns=cfg.rollout.group_size)
 
-    async with ActorSystem(transport=settings.actors, address=settings.address or None, name="coordinator") as system:
+    # cuda_ipc: the actors' messages (weights and latents alike) carry CUDA IPC handles instead of host copies.
+    kind = "cuda_ipc" if settings.weights == "cuda_ipc" else settings.actors
+    async with ActorSystem(transport=kind, address=settings.address or None, name="coordinator") as system:
         cluster = await start_cluster(system, cfg, settings, base)
         trainers = cluster.names(Role.TRAINER)
         if ckpt is not None:
