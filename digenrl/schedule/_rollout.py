@@ -14,7 +14,7 @@ import heapq
 from collections import deque
 from typing import TYPE_CHECKING
 
-from digenrl.schedule._state import BatchState, FragState
+from digenrl.schedule._state import BatchState, FragInfo, FragState
 from digenrl.schedule.base import Role, Token, TokenKind
 
 if TYPE_CHECKING:
@@ -153,7 +153,7 @@ class RolloutMixin:
     def _rollout_token(self, name: str, pick: tuple[int, int, int], cap: int, chunk: int, helper: bool) -> Token:
         version, b, step = pick
         batch = self._batches[b]
-        chosen = []
+        chosen: list[FragInfo] = []
         samples = 0
         if step < 0:  # unstarted: this token fixes their version for the whole trajectory
             step = 0

@@ -6,18 +6,18 @@ State machine (one instance per run; ``start()`` then ``on_event()`` per event):
   published version ``pub`` and the one before (a rollout actor keeps two), so every READY fragment
   can continue. A fragment's version is fixed by its first ROLLOUT token (trajectory-consistent);
   batch ``b`` may start only with a version in ``[b - staleness, b]``.
-- Rollout. Each fragment is UNSTARTED -> (READY <-> RUNNING)* -> AWAIT_REWARD -> REWARDING ->
-  SCORED. READY fragments wait in buckets keyed ``(version, batch, step)``; a ROLLOUT token takes one
-  bucket's fragments up to the device's sample budget (step-level batching with TSP; one whole
-  trajectory of one fragment without it). Older batches and further-advanced fragments go first.
+- Rollout (``_rollout.py``). Each fragment is UNSTARTED -> (READY <-> RUNNING)* -> AWAIT_REWARD ->
+  REWARDING -> SCORED. READY fragments wait in buckets keyed ``(version, batch, step)``; a ROLLOUT
+  token takes one bucket's fragments up to the device's sample budget. Older batches and
+  further-advanced fragments go first (depth-first, group-major: whole prompt groups finish early).
 - Reward. A REWARD device scores; without one, the device holding the final latents does.
 - Training. A prompt chunk's fragments become trainable when all of them are scored (with GAP), or
   when the whole batch is (without GAP). Trainers carve TRAIN tokens off the batch-``V`` queue; when
   every row of batch ``V`` is trained and all trainers are idle, one OPTIM collective runs, then the
   lead trainer PUBLISHes ``V + 1``.
-- TAG. An idle trainer with no training work (and all batch-``V`` rows not yet handed out) takes a
-  short step-range token of batch ``V`` at its own version, when ``_helper_pays`` predicts batch ``V``
-  then finishes sooner. Training is always dispatched before helping.
+- TAG (``_tag.py``). An idle trainer with no training work ready takes a short step-range token of
+  batch ``V`` (or ``V + 1`` with staleness 1) at its own version when the BTS-like makespan test,
+  switch cost included, says the batches finish sooner. Training is always dispatched before helping.
 - Faults. A dead device's running token is void: rollout fragments restart from noise (their
   latents are gone), rewards are re-queued, TRAIN rows are re-queued, a broken OPTIM is re-issued
   once the dead trainer's accumulated rows are re-trained, PUBLISH moves to a new lead. Fragments

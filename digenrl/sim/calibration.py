@@ -97,7 +97,7 @@ def calibrate(ref: Published = PUBLISHED) -> Calibration:
     names = [f"gpu{i}" for i in range(ref.gpus)]
     peak = ref.gpus * spec.peak_bf16_flops
 
-    gen_flops = ref.samples * ref.num_steps * prof.cfg_rollout * prof.forward_flops
+    gen_flops: float = ref.samples * ref.num_steps * prof.cfg_rollout * prof.forward_flops
     gen_flops += ref.prompts * prof.text_flops + ref.samples * prof.decode_flops
     mfu_rollout = gen_flops / (peak * ref.generation_seconds)
 

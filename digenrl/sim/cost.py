@@ -111,6 +111,7 @@ class CostModel:
     _node: dict[str, int] = field(default_factory=dict)
     _train_side: int = 1  # devices holding a training shard (trainers or hybrids)
     _k: dict[str, float] = field(default_factory=dict)  # per-token constants, computed once
+    _memo: dict[tuple[object, ...], float] = field(default_factory=dict)  # compute seconds by token shape
 
     def __post_init__(self) -> None:
         missing = set(self.roles) - set(self.specs)
@@ -165,17 +166,32 @@ class CostModel:
         if spec is None:
             raise ConfigError(f"device {device.name!r} has no catalog entry in this cost model")
         kind = token.kind
+        if kind is TokenKind.ROLLOUT or kind is TokenKind.REWARD or kind is TokenKind.TRAIN:
+            # The compute part depends on a few integers only; a 1024-GPU run asks for the same
+            # shapes hundreds of thousands of times (the engine and the schedule's speed tracker).
+            key = (kind, device.name, token.num_samples, token.step_start == 0, token.step_end - token.step_start,
+                   token.transitions, token.packed,
+                   sum(f.num_prompts for f in token.fragments) if kind is TokenKind.ROLLOUT and token.step_start == 0 else 0)
+            base = self._memo.get(key)
+            if base is None:
+                base = self._memo[key] = self._seconds(token, device, spec)
+            return base + self._pull(token, device) if token.sources else base
+        return self._seconds(token, device, spec)
+
+    def _seconds(self, token: Token, device: Device, spec: DeviceSpec) -> float:
+        """``seconds`` without the latents pulled from other devices."""
+        kind = token.kind
         p, k = self.params, self._k
         if kind is TokenKind.ROLLOUT:
             steps = token.step_end - token.step_start
             flops = token.num_samples * steps * k["roll"]
             if token.step_start == 0 and k["text"]:
                 flops += sum(f.num_prompts for f in token.fragments) * k["text"]
-            return self._compute(flops, spec, p.mfu_rollout) + steps * p.pass_latency_s + self._pull(token, device)
+            return self._compute(flops, spec, p.mfu_rollout) + steps * p.pass_latency_s
         if kind is TokenKind.REWARD:
             n = token.num_samples
             return (self._compute(n * k["decode"], spec, p.mfu_rollout) + self._compute(n * k["reward"], spec, self._mfu_reward)
-                    + p.pass_latency_s + self._pull(token, device))
+                    + p.pass_latency_s)
         if kind is TokenKind.TRAIN:
             return self._train(token, device, spec)
         if kind is TokenKind.OPTIM:
