@@ -93,3 +93,19 @@ def test_heterogeneous_speed_sizes_tokens() -> None:
     biggest = {n: max(sp.token.num_samples for sp in rep.spans if sp.token.device == n
                        and sp.token.kind is TokenKind.ROLLOUT) for n in per}
     assert biggest["fast"] > biggest["slow"]  # bigger tokens for the faster device, not only more of them
+
+
+def test_tsp_defaults_keep_streaming_and_short_helper_tokens() -> None:
+    from digenrl.schedule.options import PRESETS, resolve
+
+    wl = Workload(num_batches=1, prompts_per_batch=32, group_size=16, num_steps=10, trained_steps=2)
+    sizes = resolve(PRESETS["async1"], wl, n_rollout=4, n_trainer=12)
+    frag = sizes.fragment_groups * sizes.fragment_members
+    assert sizes.rollout_batch == frag  # one fragment per token: fragments finish one by one
+    assert sizes.step_chunk == wl.num_steps  # depth-first anyway: no extra tokens
+    assert sizes.tag_steps == 2  # a helper returns to training after ceil(ceil(10/4)/2) steps
+    # Step-level batching of several fragments keeps step ranges shorter than the trajectory.
+    from digenrl.schedule.options import ScheduleOptions
+
+    batched = resolve(ScheduleOptions(gap=True, tsp=True, rollout_batch=2 * frag), wl, n_rollout=4, n_trainer=12)
+    assert batched.step_chunk == 3
