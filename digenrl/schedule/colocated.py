@@ -25,7 +25,7 @@ import logging
 from collections import deque
 
 from digenrl.errors import ConfigError
-from digenrl.schedule._state import BatchState, FragState, Part
+from digenrl.schedule._state import BatchState, FragInfo, FragState, Part
 from digenrl.schedule.base import (
     CostEstimate,
     Device,
@@ -201,7 +201,7 @@ class ColocatedSchedule(Schedule):
 
     def _rollout_token(self, name: str, batch: BatchState) -> Token:
         cap = round(self.sizes.rollout_batch * self._speed.relative_speed(name, TokenKind.ROLLOUT))
-        chosen = []
+        chosen: list[FragInfo] = []
         samples = 0
         while batch.unstarted and (not chosen or samples + batch.frags[batch.unstarted[0]].geo.num_samples <= cap):
             info = batch.frags[batch.unstarted.popleft()]
@@ -226,7 +226,7 @@ class ColocatedSchedule(Schedule):
     def _issue_reward(self, name: str, queue: deque[tuple[int, int]], out: list[Token]) -> None:
         batch = self._batch
         assert batch is not None
-        infos = []
+        infos: list[FragInfo] = []
         samples = 0
         while queue and (not infos or samples < self.sizes.rollout_batch):
             f, epoch = queue.popleft()
