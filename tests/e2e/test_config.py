@@ -36,7 +36,7 @@ def test_shipped_config_loads_with_overrides() -> None:
         ("train.lr=-1", r"train.lr: must be > 0"),
         ("rollout.sde=ode", r"rollout.sde: 'ode' is not allowed; allowed: 'sde', 'wan', 'dance', 'cps'"),
         ("rollout.group_size=1", r"rollout.group_size: must be >= 2"),
-        ("rollout.window=8", r"rollout.window: must be in 1..7"),
+        ("rollout.window=99", r"rollout.window: must be in 1\.\.5"),
         ("model.name=sd3", r"model.name: 'sd3' is not allowed; allowed: 'qwenimage', 'flux'"),
         ("model.preset=pretrained", r"model.vae_init: must be 'default' for pretrained weights"),
         ("model.preset=pretrained;model.vae_init=default", r"model.path: must be set for preset 'pretrained'"),

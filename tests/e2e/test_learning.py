@@ -37,15 +37,17 @@ def test_run_command_writes_metrics_grids_and_weights(tmp_path: Path) -> None:
 
 
 def _curve(control: str, iters: int) -> list[float]:
-    cfg = load_config(TINY, [f"train.iterations={iters}", f"train.control={control}", "placement.threads=1"])
+    # lr 3e-2 (3x the shipped config) so the direction shows within a few iterations.
+    cfg = load_config(TINY, [f"train.iterations={iters}", f"train.control={control}", "placement.threads=1",
+                             "train.lr=3e-2"])
     return [h["reward_mean"] for h in train(cfg, write_files=False)]
 
 
 def test_short_learning_run_goes_the_right_way() -> None:
     """Same seed, same first batch: +A must end with a higher reward than -A (ALGORITHM (f) controls)."""
-    iters = 8
+    iters = 10
     up = _curve("none", iters)
     down = _curve("negated", iters)
     assert up[0] == pytest.approx(down[0])  # identical start: the difference is the update's sign
-    assert sum(up[-3:]) / 3 > sum(down[-3:]) / 3 + 0.003
+    assert sum(up[-3:]) / 3 > sum(down[-3:]) / 3 + 0.004  # measured: 0.4517 vs 0.4436
     assert all(torch.isfinite(torch.tensor(up + down)))
