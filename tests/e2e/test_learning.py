@@ -51,3 +51,13 @@ def test_short_learning_run_goes_the_right_way() -> None:
     assert up[0] == pytest.approx(down[0])  # identical start: the difference is the update's sign
     assert sum(up[-3:]) / 3 > sum(down[-3:]) / 3 + 0.004  # measured: 0.4517 vs 0.4436
     assert all(torch.isfinite(torch.tensor(up + down)))
+
+
+@pytest.mark.parametrize(("mode", "rows_per_sample"), [("window", 2), ("fraction", 2), ("all_but_last", 3)])
+def test_step_modes_through_the_recipe(mode: str, rows_per_sample: int) -> None:
+    cfg = load_config(TINY, ["train.iterations=1", f"rollout.steps={mode}", "rollout.num_steps=4", "rollout.window=2",
+                             "rollout.fraction=0.67", "rollout.prompts_per_batch=2", "rollout.group_size=2",
+                             "placement.threads=1", "rollout.sde=cps", "rollout.noise_level=0.8"])
+    (m,) = train(cfg, write_files=False)
+    assert m["rows"] == 4 * rows_per_sample * (1 - m["zero_std_ratio"])
+    assert m["approx_kl"] < 1e-10 and m["grad_norm"] > 0
