@@ -7,7 +7,9 @@ keys, which :func:`load_disagg_config` takes out before the rest is validated by
     [schedule]   name = "tag"            colocated | disaggregated | gap | tsp | tag | async1
                  fragment_groups, fragment_members, step_chunk, rollout_batch, train_pack, tag_steps
                  (optional ScheduleOptions overrides; staleness stays in ScheduleConfig)
-    [placement]  rollout = 1, trainer = 1, reward = 0, actor_threads = 1
+    [placement]  rollout = 1, trainer = 1, reward = 0, actor_threads = 1,
+                 workers = 0             > 0: wait for that many `digenrl worker --join` processes (one
+                                         per GPU, any host) and place one actor on each
     [transport]  actors = "zmq"          zmq (one process per actor) | inproc (all in this process)
                  weights = "zmq"         zmq | torchdist (gloo on CPU, NCCL on GPU) | cuda_ipc
                  bucket_mb = 64.0        weight buckets
@@ -37,7 +39,7 @@ ACTOR_SCHEDULES = ("disaggregated", "gap", "tsp", "tag", "async1")
 _OPTION_KEYS = ("fragment_groups", "fragment_members", "step_chunk", "rollout_batch", "train_pack", "tag_steps")
 _KEYS: dict[str, tuple[str, ...]] = {
     "schedule": ("name", *_OPTION_KEYS),
-    "placement": ("rollout", "trainer", "reward", "actor_threads"),
+    "placement": ("rollout", "trainer", "reward", "actor_threads", "workers"),
     "transport": ("actors", "weights", "bucket_mb", "address"),
     "log": ("checkpoint_every", "keep_checkpoints", "trace", "gantt", "tensorboard", "live"),
 }
@@ -53,6 +55,7 @@ class DisaggSettings:
     trainer: int = 1
     reward: int = 0
     actor_threads: int = 1
+    workers: int = 0
     actors: str = "zmq"
     weights: str = "zmq"
     bucket_mb: float = 64.0
@@ -71,7 +74,7 @@ class DisaggSettings:
         for key, value in self.options.items():
             if key not in _OPTION_KEYS or not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"schedule.{key}: must be a positive integer, got {value!r}")
-        for key, low in (("rollout", 0), ("trainer", 1), ("reward", 0), ("actor_threads", 1),
+        for key, low in (("rollout", 0), ("trainer", 1), ("reward", 0), ("actor_threads", 1), ("workers", 0),
                          ("checkpoint_every", 0), ("keep_checkpoints", 1)):
             value = getattr(self, key)
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
@@ -83,6 +86,12 @@ class DisaggSettings:
             raise ConfigError(f"transport.weights: {self.weights!r} is not allowed; allowed: 'zmq', 'torchdist', 'cuda_ipc'")
         if self.actors == "inproc" and self.weights != "zmq":
             raise ConfigError("transport.weights must be 'zmq' (actor messages) when transport.actors = 'inproc'")
+        if self.workers and self.workers < self.rollout + self.trainer + self.reward:
+            raise ConfigError(f"placement.workers = {self.workers}: one actor per joined worker needs at least "
+                              f"{self.rollout + self.trainer + self.reward} (rollout + trainer + reward)")
+        if self.workers and (self.actors != "zmq" or not self.address.startswith("tcp://")):
+            raise ConfigError("placement.workers > 0 needs transport.actors = 'zmq' and transport.address = "
+                              "'tcp://<this host>:<port>' for the workers to join")
         if not self.bucket_mb > 0:
             raise ConfigError(f"transport.bucket_mb: must be > 0, got {self.bucket_mb!r}")
         if self.rollout == 0 and self.schedule not in ("tag", "async1", "colocated"):

@@ -105,10 +105,17 @@ async def start_cluster(system: ActorSystem, cfg: Config, settings: DisaggSettin
              for i in range(settings.trainer)]
     plan += [(f"rollout-{i}", Role.ROLLOUT, RolloutActor, (conf, settings.actor_threads)) for i in range(settings.rollout)]
     plan += [(f"reward-{i}", Role.REWARD, RewardActor, (conf, settings.actor_threads)) for i in range(settings.reward)]
-    plan = [(name, role, cls, (_on_gpu(conf, k), *args[1:])) for k, (name, role, cls, args) in enumerate(plan)]
+    if settings.workers:
+        # One actor per joined worker (each worker is one GPU of some host, its launcher sets
+        # CUDA_VISIBLE_DEVICES), in join order: trainers first, then rollout and reward actors.
+        log.info("waiting for %d workers to join %s", settings.workers, system.address)
+        workers = await system.wait_for_workers(settings.workers, timeout=600.0)
+        spawns = [system.spawn(cls, *args, name=name, on=w) for (name, _, cls, args), w in zip(plan, workers)]
+    else:
+        plan = [(name, role, cls, (_on_gpu(conf, k), *args[1:])) for k, (name, role, cls, args) in enumerate(plan)]
+        spawns = [system.spawn(cls, *args, name=name, process=process) for name, _, cls, args in plan]
     # Spawned together: each process spends seconds importing torch, so their imports overlap.
-    refs_list = await asyncio.gather(*(system.spawn(cls, *args, name=name, process=process)
-                                       for name, _, cls, args in plan))
+    refs_list = await asyncio.gather(*spawns)
     refs = {name: ref for (name, *_), ref in zip(plan, refs_list, strict=True)}
     devices = [Device(name, role) for name, role, _, _ in plan]
     cluster = Cluster(system, refs, devices)

@@ -28,6 +28,8 @@ def test_settings_are_split_from_the_base_config() -> None:
     ("transport.weights=rdma", "transport.weights: 'rdma' is not allowed"),
     ("placement.rollout=true", "rollout: must be of type int"),
     ("train.lr=-1", "train.lr"),
+    ("placement.workers=1", "placement.workers = 1: one actor per joined worker needs at least 2"),
+    ("placement.workers=2", "needs transport.actors = 'zmq' and transport.address = 'tcp://"),
 ])
 def test_bad_values_name_their_key(override: str, message: str) -> None:
     with pytest.raises(ConfigError, match=message):

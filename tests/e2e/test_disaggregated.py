@@ -130,3 +130,30 @@ async def test_weights_over_torch_distributed_gloo(tmp_path: Path) -> None:
     cfg, settings = _load("train.iterations=2", "transport.weights=torchdist", "log.image_every=0")
     history = await arun_disaggregated(cfg, tmp_path, settings=settings)
     assert [m["rows_trained"] for m in history] == [ROWS, ROWS]
+
+
+@pytest.mark.slow
+async def test_actors_placed_on_joined_workers(tmp_path: Path) -> None:
+    """`digenrl worker --join` processes (one per GPU on a cluster) host the actors, one each."""
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    address = f"tcp://127.0.0.1:{port}"
+    cfg, settings = _load("train.iterations=2", "log.image_every=0", "placement.workers=2",
+                          f"transport.address={address}")
+    exe = Path(sys.executable).with_name("digenrl")
+    procs = [subprocess.Popen([str(exe), "worker", "--join", address, "--name", f"gpu{i}", "--log-level", "WARNING"])
+             for i in range(2)]
+    try:
+        history = await arun_disaggregated(cfg, tmp_path, settings=settings)
+        assert [m["rows_trained"] for m in history] == [ROWS, ROWS]
+        assert [p.wait(timeout=30) for p in procs] == [0, 0]  # the workers leave when the system shuts down
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
