@@ -61,6 +61,7 @@ class ModelConfig:
     resolution: list[int] = field(default_factory=lambda: [64, 64])
     num_frames: int = 1
     guidance_scale: float = 1.0
+    text_len: int = 0  # prompt tokens kept in the conditioning; 0 = the model's default
     dtype: str = "float32"
     device: str = "cpu"
     seed: int = 0
@@ -85,6 +86,7 @@ class ModelConfig:
         _check("model.resolution", len(self.resolution) == 2 and all(r > 0 for r in self.resolution),
                "[height, width] of positive ints", self.resolution)
         _check("model.num_frames", self.num_frames >= 1, ">= 1", self.num_frames)
+        _check("model.text_len", self.text_len >= 0, ">= 0", self.text_len)
         _choice("model.dtype", self.dtype, ("float32", "bfloat16", "float16"))
         _choice("model.finetune", self.finetune, ("lora", "full"))
         _check("model.lora_rank", self.lora_rank >= 1, ">= 1", self.lora_rank)

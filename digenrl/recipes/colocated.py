@@ -40,7 +40,7 @@ from digenrl.rl.rollout import TransitionBatch, rollout_steps
 from digenrl.rl.steps import plan_steps
 from digenrl.rl.tsp import packed_backward
 
-__all__ = ["ColocatedRun", "setup", "train", "default_out_dir", "save_grid"]
+__all__ = ["ColocatedRun", "setup", "iteration", "train", "default_out_dir", "save_grid", "summarize"]
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +84,7 @@ def setup(cfg: Config) -> ColocatedRun:
         resolution=(m.resolution[0], m.resolution[1]),
         num_frames=m.num_frames if m.name in ("wan21", "hunyuanvideo") else None,
         guidance_scale=m.guidance_scale,
+        text_len=m.text_len or None,
     )
     if m.vae_init == "signal":
         signal_preserving_decoder_init(model, seed=m.seed + 3)
