@@ -161,15 +161,21 @@ class GroupAssembler:
             raise ValueError(
                 f"fragment lengths differ: {len(prompt_ids)} prompts, {len(sample_ids)} samples, {len(rs)} rewards"
             )
-        newly: list[int] = []
-        for pid, sid, rew in zip(prompt_ids, sample_ids, rs, strict=True):
+        # Validate the whole fragment first, so a rejected fragment leaves the assembler unchanged.
+        counts = {p: len(v.rewards) for p, v in self._pending.items()}
+        seen: set[tuple[int, int]] = set()
+        for pid, sid in zip(prompt_ids, sample_ids, strict=True):
             if pid in self._done:
                 raise ValueError(f"prompt {pid}: its group was already emitted; sample {sid} arrived late")
-            p = self._pending.setdefault(pid, _Pending())
-            if sid in p.rewards:
+            if (pid, sid) in seen or (pid in self._pending and sid in self._pending[pid].rewards):
                 raise ValueError(f"prompt {pid}: duplicate sample id {sid}")
-            if len(p.rewards) >= self.group_size:
+            seen.add((pid, sid))
+            counts[pid] = counts.get(pid, 0) + 1
+            if counts[pid] > self.group_size:
                 raise ValueError(f"prompt {pid}: more than group_size={self.group_size} samples")
+        newly: list[int] = []
+        for pid, sid, rew in zip(prompt_ids, sample_ids, rs, strict=True):
+            p = self._pending.setdefault(pid, _Pending())
             p.rewards[sid] = rew
             if len(p.rewards) == self.group_size:
                 newly.append(pid)

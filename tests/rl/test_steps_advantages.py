@@ -109,6 +109,9 @@ def test_assembler_emits_only_complete_groups_and_rejects_bad_fragments() -> Non
     assert asm.pending == {7: 2}
     with pytest.raises(ValueError, match="duplicate sample id 1"):
         asm.add([7], [1], [3.0])
+    with pytest.raises(ValueError, match="more than group_size=3"):
+        asm.add([7, 7, 8], [5, 6, 0], [0.0, 0.0, 0.0])
+    assert asm.pending == {7: 2}  # a rejected fragment changes nothing
     (grp,) = asm.add([7], [2], [3.0])
     assert grp.prompt_id == 7 and torch.allclose(grp.advantages.sum(), torch.tensor(0.0), atol=1e-6)
     with pytest.raises(ValueError, match="already emitted"):
