@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from digenrl.actors.base import Actor, endpoint
-from digenrl.actors.rollout import FragmentEngine, GenerationMixin, build_model
+from digenrl.actors.rollout import FragmentEngine, GenerationMixin, build_model, limit_threads
 from digenrl.config import config_from_dict
 
 __all__ = ["RewardActor"]
@@ -41,7 +41,7 @@ class RewardActor(GenerationMixin, Actor):
     async def setup(self) -> None:
         from digenrl.rewards import build_reward
 
-        torch.set_num_threads(self.threads)
+        limit_threads(self.threads)
         self.cfg = config_from_dict(self.config)
         self.name = self.ref.name
         self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"digenrl-{self.name}")

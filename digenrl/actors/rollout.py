@@ -38,7 +38,8 @@ from digenrl.models.lora import apply_lora, enable_full_finetune
 from digenrl.rl.sde import sde_step
 from digenrl.rl.steps import plan_steps
 
-__all__ = ["FragmentData", "FragmentEngine", "RolloutActor", "build_model", "trained_steps", "fragment_seed"]
+__all__ = ["FragmentData", "FragmentEngine", "RolloutActor", "build_model", "trained_steps", "fragment_seed",
+           "limit_threads"]
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +48,20 @@ _TRANS = ("sample", "step", "x", "x_next", "sigma", "sigma_next", "log_prob", "n
 
 
 _BUILD_LOCK = threading.Lock()
+
+
+def limit_threads(threads: int) -> None:
+    """Give this actor process ``threads`` intra-op torch threads and one inter-op thread.
+
+    Actors share the host's cores with each other: a second inter-op pool (or OpenMP's default of
+    one thread per core) would oversubscribe them. Inter-op threads can only be set before torch's
+    first parallel region; an in-process actor (tests) finds it already started and keeps it.
+    """
+    torch.set_num_threads(threads)
+    try:
+        torch.set_num_interop_threads(1)
+    except RuntimeError:  # parallel work already ran in this process (in-process actors)
+        pass
 
 
 def build_model(cfg: Config) -> tuple[GeneratorModel, list[torch.nn.Parameter]]:
@@ -338,7 +353,7 @@ class RolloutActor(GenerationMixin, Actor):
     async def setup(self) -> None:
         from digenrl.rewards import build_reward
 
-        torch.set_num_threads(self.threads)
+        limit_threads(self.threads)
         self.cfg = config_from_dict(self.config)
         self.name = self.ref.name
         self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"digenrl-{self.name}")

@@ -26,7 +26,8 @@ from typing import Any
 import torch
 
 from digenrl.actors.base import Actor, endpoint
-from digenrl.actors.rollout import FragmentData, FragmentEngine, GenerationMixin, build_model, probe_velocity
+from digenrl.actors.rollout import (FragmentData, FragmentEngine, GenerationMixin, build_model, limit_threads,
+                                    probe_velocity)
 from digenrl.actors.weights import pack_buckets, state_digest
 from digenrl.config import config_from_dict
 from digenrl.errors import ActorDied, StalenessViolation
@@ -61,7 +62,7 @@ class TrainerActor(GenerationMixin, Actor):
     async def setup(self) -> None:
         from digenrl.rewards import build_reward
 
-        torch.set_num_threads(self.threads)
+        limit_threads(self.threads)
         self.cfg = cfg = config_from_dict(self.config)
         self.name = self.ref.name
         self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"digenrl-{self.name}")

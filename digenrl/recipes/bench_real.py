@@ -24,6 +24,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import logging
+import os
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -37,6 +39,8 @@ from digenrl.schedule import make_schedule
 from digenrl.schedule.base import Device, Role, Token, TokenKind, Workload
 from digenrl.sim.engine import SimResult, simulate
 from digenrl.sim.metrics import summarize
+
+log = logging.getLogger(__name__)
 
 __all__ = ["MeasuredCost", "run_real_bubbles", "REAL_DEFAULT_SCHEDULES", "DEFAULT_CONFIG"]
 
@@ -107,6 +111,15 @@ def _colocated(cfg: Any, iterations: int) -> tuple[dict[str, Any], MeasuredCost,
         iterations, ro.prompts_per_batch, ro.group_size, ro.num_steps, trained_steps(cfg))
 
 
+def _load() -> float:
+    """The 1-minute load average, warning when other work shares the cores (the figures then drift)."""
+    load = os.getloadavg()[0]
+    if load > (os.cpu_count() or 1) + 0.5:
+        log.warning("load average %.1f on %d cores: other processes share the CPU; timings are not comparable",
+                    load, os.cpu_count() or 1)
+    return load
+
+
 def _steady(result: SimResult) -> tuple[float, float]:
     first = result.optim_end.get(min(result.optim_end), 0.0) if len(result.optim_end) > 1 else 0.0
     return first, max(result.optim_end.values(), default=result.wall)
@@ -173,6 +186,7 @@ def run_real_bubbles(schedules: list[str] | None = None, num_batches: int = 8, o
     assert root is not None
     root.mkdir(parents=True, exist_ok=True)
     runs: dict[str, tuple[SimResult, list[tuple[Token, float]], float, list[Device]]] = {}
+    loads: dict[str, float] = {}
     rows: list[dict[str, Any]] = []
     colocated_row: dict[str, Any] | None = None
     try:
@@ -185,7 +199,7 @@ def run_real_bubbles(schedules: list[str] | None = None, num_batches: int = 8, o
                 # Both cores in one process (the baseline), and one core: on a loaded machine a
                 # 2-thread OpenMP process can stall at its barriers, so both figures are reported.
                 for threads in dict.fromkeys((cfg.placement.threads, 1)):
-                    start = time.perf_counter()
+                    start, load = time.perf_counter(), _load()
                     one = dataclasses.replace(cfg, placement=dataclasses.replace(cfg.placement, threads=threads))
                     measured, cost, workload = _colocated(one, num_batches)
                     devices = [Device("hybrid-0", Role.HYBRID)]
@@ -195,10 +209,12 @@ def run_real_bubbles(schedules: list[str] | None = None, num_batches: int = 8, o
                                time.perf_counter() - start, devices)
                     row["bubble_per_actor"] = {f"colocated (1 process, {threads} threads)": 0.0}
                     row["threads"] = threads
+                    row["load_1m_before"] = load
                     colocated_row = colocated_row or row
                     rows.append(row)
                 continue
             got: list[Any] = []
+            loads[sched] = _load()
             asyncio.run(arun_disaggregated(cfg, root / f"real-{sched}", settings=settings,
                                            on_result=lambda r, log: got.append((r, log))))
             result, tokens = got[0]
@@ -215,6 +231,7 @@ def run_real_bubbles(schedules: list[str] | None = None, num_batches: int = 8, o
                                result.workload, own)  # type: ignore[arg-type]
             own_sps = summarize(own_sim).steady.samples_per_s
             row["sim_error_self_calibrated"] = own_sps / row["samples_per_s"] - 1.0 if row["samples_per_s"] else None
+            row["load_1m_before"] = loads[sched]
             rows.append(row)
             results.append(result)
         base_sps = colocated_row["samples_per_s"] if colocated_row else None
@@ -229,7 +246,9 @@ def run_real_bubbles(schedules: list[str] | None = None, num_batches: int = 8, o
                       "sim_error": "simulator steady samples/s (same schedule, devices, workload; costs fitted "
                                    "to the measured tokens of all runs) / measured - 1",
                       "sim_error_self_calibrated": "the same with costs fitted to this run's tokens only",
-                      "colocated": "the single-process loop with placement.threads torch threads"}}
+                      "colocated": "the single-process loop with placement.threads torch threads",
+                      "load_1m_before": "the machine's 1-minute load average when the run started: rows "
+                                        "measured at different loads are not comparable"}}
         if out is not None:
             (out / "bubbles.json").write_text(json.dumps(report, indent=1))
             if results:

@@ -16,7 +16,9 @@ CONFIG = Path(__file__).resolve().parents[2] / "configs" / "tiny-disagg.toml"
 
 def test_settings_are_split_from_the_base_config() -> None:
     cfg, s = load_disagg_config(CONFIG, ["schedule.name=async1", "schedule.step_chunk=2", "placement.rollout=2"])
-    assert (s.schedule, s.options, s.rollout, s.trainer, s.actors) == ("async1", {"step_chunk": 2}, 2, 1, "zmq")
+    assert (s.schedule, s.rollout, s.trainer, s.actors) == ("async1", 2, 1, "zmq")
+    # The override replaces the config's step_chunk; the config's other token sizes stay.
+    assert s.options == {"fragment_groups": 4, "step_chunk": 2, "train_pack": 80, "tag_steps": 3}
     assert cfg.rollout.group_size == 4 and s.disaggregated
     assert not load_disagg_config(CONFIG, ["schedule.name=colocated"])[1].disaggregated
 
