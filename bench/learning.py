@@ -11,6 +11,14 @@ difference (from the spread of the iterations inside each window). The negative 
 ``--control shuffled`` permutes the advantages across samples each iteration, which keeps the update
 statistics (and the LoRA's growth) but breaks the link to the reward, so its curve should stay flat;
 ``--control negated`` flips their sign, so its curve should fall. Prints a rich table; writes JSON.
+
+Measured (2-core CPU shared with other jobs, shipped config, 60 iterations, gain = last 5 - first 5):
+
+* jpeg_compressibility: JPEG size 4.53 -> 3.26 kB (seed 0), 4.55 -> 3.01 kB (seed 1); shuffled control
+  4.56 -> 4.50 kB. Clear learning, flat control.
+* color: +0.026 (seed 0, 0.445 -> 0.471) and +0.005 (seed 1); shuffled control +0.006 (seed 0) and
+  +0.021 (seed 1); negated (seed 0) +0.000. On this random-init toy the colour signal is of the same
+  size as the random-walk drift of the control: not a reliable demonstration (see the report).
 """
 
 from __future__ import annotations
