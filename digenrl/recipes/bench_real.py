@@ -151,23 +151,33 @@ def _row(name: str, schedule: str, result: SimResult, sim: SimResult | None, mea
     }
 
 
+def _median(runs: list[Any], key: Any) -> Any:
+    """The run with the median ``key`` (the lower one of an even count): robust to one disturbed run."""
+    return sorted(runs, key=key)[(len(runs) - 1) // 2]
+
+
 def run_real_bubbles(schedules: list[str] | None = None, num_batches: int = 8, out: Path | None = None,
-                     config: Path = DEFAULT_CONFIG, overrides: list[str] | None = None) -> dict[str, Any]:
+                     config: Path = DEFAULT_CONFIG, overrides: list[str] | None = None,
+                     repeats: int = 1) -> dict[str, Any]:
     """Train the tiny model for real under each schedule and compare with the calibrated simulator.
 
     Args:
         schedules: ``colocated`` and/or actor schedule names (default ``REAL_DEFAULT_SCHEDULES``).
         num_batches: optimizer steps per run (the first is the warm-up window).
         out: where to write ``bubbles.json``, per-run directories ``real-<schedule>/`` (metrics,
-            trace, Gantt) and ``gantt-real.png``; ``None`` writes only what the runs need in a temp dir.
+            trace, Gantt; ``-r<k>`` for later rounds) and ``gantt-real.png``; ``None`` writes only what
+            the runs need in a temp dir.
         config: the run config (default ``configs/tiny-disagg.toml``).
         overrides: extra ``--set`` style overrides.
+        repeats: rounds over all schedules, interleaved (round 1 runs every schedule, then round 2...),
+            so a burst of other load on a shared machine hits one run of each, not one schedule's
+            every run. Each row reports its median run and lists every run's samples/s.
 
     Returns:
         The ``bubbles.json`` content: ``rows``, ``calibration`` (fitted per-kind costs) and ``definitions``.
 
     Raises:
-        ConfigError: an unknown schedule or ``num_batches < 2``.
+        ConfigError: an unknown schedule, ``num_batches < 2`` or ``repeats < 1``.
     """
     import tempfile
 
@@ -180,58 +190,70 @@ def run_real_bubbles(schedules: list[str] | None = None, num_batches: int = 8, o
             raise ConfigError(f"unknown schedule {s!r}; known: colocated, {', '.join(ACTOR_SCHEDULES)}")
     if num_batches < 2:
         raise ConfigError(f"num_batches={num_batches}: needs at least 2 (the first batch is the warm-up window)")
+    if repeats < 1:
+        raise ConfigError(f"repeats={repeats}: needs at least 1")
     base = [*(overrides or []), f"train.iterations={num_batches}", "log.image_every=0", "log.checkpoint_every=0"]
     tmp = tempfile.TemporaryDirectory() if out is None else None
     root = Path(tmp.name) if tmp is not None else out
     assert root is not None
     root.mkdir(parents=True, exist_ok=True)
-    runs: dict[str, tuple[SimResult, list[tuple[Token, float]], float, list[Device]]] = {}
-    loads: dict[str, float] = {}
+    # schedule -> one (result, tokens, wall, devices, load, steady samples/s) per round
+    runs: dict[str, list[tuple[SimResult, list[tuple[Token, float]], float, list[Device], float, float]]] = {}
+    coloc: dict[int, list[dict[str, Any]]] = {}  # threads -> one row per round
     rows: list[dict[str, Any]] = []
-    colocated_row: dict[str, Any] | None = None
     try:
-        for sched in chosen:
-            # "<schedule>+reward": the same schedule with a reward actor of its own (decode + score).
-            extra = ["placement.reward=1"] if sched.endswith("+reward") else []
-            cfg, settings = load_disagg_config(config, [*base, f"schedule.name={sched.removesuffix('+reward')}", *extra])
-            start = time.perf_counter()
-            if sched == "colocated":
-                # Both cores in one process (the baseline), and one core: on a loaded machine a
-                # 2-thread OpenMP process can stall at its barriers, so both figures are reported.
-                for threads in dict.fromkeys((cfg.placement.threads, 1)):
-                    start, load = time.perf_counter(), _load()
-                    one = dataclasses.replace(cfg, placement=dataclasses.replace(cfg.placement, threads=threads))
-                    measured, cost, workload = _colocated(one, num_batches)
-                    devices = [Device("hybrid-0", Role.HYBRID)]
-                    sim = simulate(make_schedule("colocated", devices, workload, cost), devices, workload, cost)  # type: ignore[arg-type]
-                    suffix = "" if threads == cfg.placement.threads else f"-{threads}thread"
-                    row = _row(f"real-colocated{suffix}", sched, sim, sim, measured["samples_per_s"],
-                               time.perf_counter() - start, devices)
-                    row["bubble_per_actor"] = {f"colocated (1 process, {threads} threads)": 0.0}
-                    row["threads"] = threads
-                    row["load_1m_before"] = load
-                    colocated_row = colocated_row or row
-                    rows.append(row)
-                continue
-            got: list[Any] = []
-            loads[sched] = _load()
-            asyncio.run(arun_disaggregated(cfg, root / f"real-{sched}", settings=settings,
-                                           on_result=lambda r, log: got.append((r, log))))
-            result, tokens = got[0]
-            runs[sched] = (result, tokens, time.perf_counter() - start, list(result.devices))
-        pooled = MeasuredCost.fit([t for _, tokens, _, _ in runs.values() for t in tokens])
+        for rnd in range(repeats):
+            for sched in chosen:
+                # "<schedule>+reward": the same schedule with a reward actor of its own (decode + score).
+                extra = ["placement.reward=1"] if sched.endswith("+reward") else []
+                cfg, settings = load_disagg_config(config, [*base, f"schedule.name={sched.removesuffix('+reward')}",
+                                                            *extra])
+                if sched == "colocated":
+                    # Both cores in one process (the baseline), and one core: on a loaded machine a
+                    # 2-thread OpenMP process can stall at its barriers, so both figures are reported.
+                    for threads in dict.fromkeys((cfg.placement.threads, 1)):
+                        start, load = time.perf_counter(), _load()
+                        one = dataclasses.replace(cfg, placement=dataclasses.replace(cfg.placement, threads=threads))
+                        measured, cost, workload = _colocated(one, num_batches)
+                        devices = [Device("hybrid-0", Role.HYBRID)]
+                        sim = simulate(make_schedule("colocated", devices, workload, cost), devices, workload, cost)  # type: ignore[arg-type]
+                        suffix = "" if threads == cfg.placement.threads else f"-{threads}thread"
+                        row = _row(f"real-colocated{suffix}", sched, sim, sim, measured["samples_per_s"],
+                                   time.perf_counter() - start, devices)
+                        row["bubble_per_actor"] = {f"colocated (1 process, {threads} threads)": 0.0}
+                        row["threads"] = threads
+                        row["load_1m_before"] = load
+                        coloc.setdefault(threads, []).append(row)
+                    continue
+                got: list[Any] = []
+                start, load = time.perf_counter(), _load()
+                where = root / (f"real-{sched}" + (f"-r{rnd}" if rnd else ""))
+                asyncio.run(arun_disaggregated(cfg, where, settings=settings,
+                                               on_result=lambda r, log: got.append((r, log))))
+                result, tokens = got[0]
+                runs.setdefault(sched, []).append((result, tokens, time.perf_counter() - start, list(result.devices),
+                                                   load, summarize(result).steady.samples_per_s))
+        colocated_row: dict[str, Any] | None = None
+        for threads, cand in coloc.items():
+            row = _median(cand, lambda r: r["samples_per_s"])
+            row["samples_per_s_runs"] = [r["samples_per_s"] for r in cand]
+            colocated_row = colocated_row or row
+            rows.append(row)
+        pooled = MeasuredCost.fit([t for rs in runs.values() for run in rs for t in run[1]])
         results = []
-        for sched, (result, _, wall, devices) in runs.items():
+        for sched, rs in runs.items():
+            result, tokens, wall, devices, load, sps = _median(rs, lambda r: r[5])
             sim = simulate(make_schedule(sched.removesuffix("+reward"), devices, result.workload, pooled), devices,
                            result.workload, pooled)  # type: ignore[arg-type]
-            row = _row(f"real-{sched}", sched, result, sim, summarize(result).steady.samples_per_s, wall, devices)
+            row = _row(f"real-{sched}", sched, result, sim, sps, wall, devices)
             # Calibrated on this run's own tokens: what is left is the schedule/driver dynamics alone.
-            own = MeasuredCost.fit(runs[sched][1])
+            own = MeasuredCost.fit(tokens)
             own_sim = simulate(make_schedule(sched.removesuffix("+reward"), devices, result.workload, own), devices,
                                result.workload, own)  # type: ignore[arg-type]
             own_sps = summarize(own_sim).steady.samples_per_s
             row["sim_error_self_calibrated"] = own_sps / row["samples_per_s"] - 1.0 if row["samples_per_s"] else None
-            row["load_1m_before"] = loads[sched]
+            row["load_1m_before"] = load
+            row["samples_per_s_runs"] = [r[5] for r in rs]
             rows.append(row)
             results.append(result)
         base_sps = colocated_row["samples_per_s"] if colocated_row else None
@@ -247,6 +269,7 @@ def run_real_bubbles(schedules: list[str] | None = None, num_batches: int = 8, o
                                    "to the measured tokens of all runs) / measured - 1",
                       "sim_error_self_calibrated": "the same with costs fitted to this run's tokens only",
                       "colocated": "the single-process loop with placement.threads torch threads",
+                      "samples_per_s_runs": "every round's samples/s (repeats); the row is the median run",
                       "load_1m_before": "the machine's 1-minute load average when the run started: rows "
                                         "measured at different loads are not comparable"}}
         if out is not None:
