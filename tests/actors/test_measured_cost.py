@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from digenrl.recipes.bench_real import MeasuredCost
+from digenrl.errors import ConfigError
+from digenrl.recipes.bench_real import MeasuredCost, run_real_bubbles
 from digenrl.schedule.base import Device, Role, Token, TokenKind
 
 
@@ -23,3 +24,17 @@ def test_fit_recovers_overhead_and_per_unit_costs() -> None:
     dev = Device("d", Role.ROLLOUT, speed=2.0)
     assert cost.seconds(_tok(TokenKind.ROLLOUT, 10, 3), dev) == pytest.approx((0.02 + 0.03) / 2)
     assert cost.seconds(_tok(TokenKind.PUBLISH), dev) > 0
+
+
+@pytest.mark.parametrize(("kwargs", "field"), [({"schedules": ["nope"]}, "nope"), ({"num_batches": 1}, "num_batches"),
+                                                ({"repeats": 0}, "repeats")])
+def test_run_real_bubbles_rejects_bad_arguments_by_name(kwargs: dict, field: str) -> None:
+    with pytest.raises(ConfigError, match=field):
+        run_real_bubbles(**kwargs)
+
+
+def test_median_run_is_robust_to_one_disturbed_run() -> None:
+    from digenrl.recipes.bench_real import _median
+
+    assert _median([{"s": 60.0}, {"s": 12.0}, {"s": 58.0}], lambda r: r["s"]) == {"s": 58.0}
+    assert _median([{"s": 60.0}, {"s": 12.0}], lambda r: r["s"]) == {"s": 12.0}  # even count: the lower one
