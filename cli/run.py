@@ -4,20 +4,30 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
 from digenrl.errors import ConfigError
 
+if TYPE_CHECKING:
+    from rich.console import Console
+
+    from digenrl.config import Config
+    from digenrl.recipes.disagg_config import DisaggSettings
+
 _SET_HELP = "Override a config value, e.g. --set train.lr=1e-3 (repeatable; values are TOML literals)."
 
 
-def _load(config: Path, overrides: list[str] | None):  # noqa: ANN202 (Config; imported lazily)
-    from digenrl.config import load_config
+def _load(config: Path, overrides: list[str] | None, validate_only: bool = False) -> tuple[Config, DisaggSettings]:
+    from digenrl.config import check_runnable
+    from digenrl.recipes.disagg_config import load_disagg_config
 
     try:
-        return load_config(config, overrides or [])
+        cfg, settings = load_disagg_config(config, overrides or [])
+        if not validate_only:
+            check_runnable(cfg)
+        return cfg, settings
     except ConfigError as exc:
         typer.secho(f"config error: {exc}", fg=typer.colors.RED, err=True)
         raise typer.Exit(2) from exc
@@ -27,18 +37,51 @@ def run(
     config: Annotated[Path, typer.Argument(help="A TOML config, e.g. configs/tiny-qwenimage.toml.")],
     set_: Annotated[list[str] | None, typer.Option("--set", help=_SET_HELP)] = None,
     out: Annotated[Path | None, typer.Option("--out", help="Output directory (default runs/<timestamp>).")] = None,
+    resume: Annotated[Path | None, typer.Option("--resume", help="Continue from a run directory or checkpoint.")] = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Debug logging.")] = False,
 ) -> None:
-    """Train with Flow-GRPO as the config says (the colocated single-process loop)."""
+    """Train with Flow-GRPO as the config says: `[schedule] name` picks the single-process colocated
+    loop or the disaggregated actors (disaggregated, gap, tsp, tag, async1)."""
     from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from digenrl.recipes.colocated import default_out_dir, summarize, train
+    from digenrl.recipes.colocated import default_out_dir, summarize
 
     logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    cfg = _load(config, set_)
+    cfg, settings = _load(config, set_)
     out_dir = out or (Path(cfg.log.out) if cfg.log.out else default_out_dir())
     console = Console(stderr=True)
+    if settings.disaggregated:
+        history = _run_actors(cfg, settings, out_dir, resume, console)
+    elif resume is not None:
+        typer.secho("--resume needs an actor schedule (schedule.name = disaggregated, gap, tsp, tag or async1); "
+                    "the colocated loop keeps no checkpoints", fg=typer.colors.RED, err=True)
+        raise typer.Exit(2)
+    else:
+        history = _run_colocated(cfg, out_dir, console)
+    s = summarize(history)
+    console.print(f"reward: first {s['window']} iters {s['first']:.4f} -> last {s['window']} {s['last']:.4f} "
+                  f"(gain {s['gain']:+.4f}); outputs in {out_dir}")
+
+
+def _run_actors(cfg: Config, settings: DisaggSettings, out_dir: Path, resume: Path | None,
+                console: Console) -> list[dict[str, Any]]:
+    from dataclasses import replace
+
+    from digenrl.actors.coordinator import RunStopped
+    from digenrl.recipes.disaggregated import run_disaggregated
+
+    try:
+        return run_disaggregated(cfg, out_dir, resume, settings=replace(settings, live=True))
+    except (RunStopped, ConfigError) as exc:
+        console.print(f"[red]{type(exc).__name__}:[/red] {exc}")
+        raise typer.Exit(1) from exc
+
+
+def _run_colocated(cfg: Config, out_dir: Path, console: Console) -> list[dict[str, Any]]:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from digenrl.recipes.colocated import train
+
     columns = (TextColumn("[bold]iter"), MofNCompleteColumn(), BarColumn(), TimeElapsedColumn(), TextColumn("{task.fields[info]}"))
     with Progress(*columns, console=console) as progress:
         task = progress.add_task("train", total=cfg.train.iterations, info="")
@@ -49,10 +92,7 @@ def run(
                     f"|g| {m['grad_norm']:.2e}  {m['seconds']:.2f}s")
             progress.update(task, advance=1, info=info)
 
-        history = train(cfg, out_dir=out_dir, on_iteration=show)
-    s = summarize(history)
-    console.print(f"reward: first {s['window']} iters {s['first']:.4f} -> last {s['window']} {s['last']:.4f} "
-                  f"(gain {s['gain']:+.4f}); outputs in {out_dir}")
+        return train(cfg, out_dir=out_dir, on_iteration=show)
 
 
 def validate(
@@ -60,13 +100,15 @@ def validate(
     set_: Annotated[list[str] | None, typer.Option("--set", help=_SET_HELP)] = None,
 ) -> None:
     """Check a config (keys, types, allowed values) without building anything."""
-    cfg = _load(config, set_)
+    cfg, settings = _load(config, set_, validate_only=True)
     typer.echo(f"{config}: ok ({cfg.model.name}/{cfg.model.preset}, reward {dict(cfg.reward.weights)}, "
-               f"{cfg.train.iterations} iterations)")
+               f"{cfg.train.iterations} iterations, schedule {settings.schedule})")
 
 
 def register(app: typer.Typer) -> None:
     """Add `run` and `validate` to `app`."""
-    epilog = "Example: digenrl run configs/tiny-qwenimage.toml --set train.iterations=60 --out runs/color"
+    epilog = ("Examples: digenrl run configs/tiny-qwenimage.toml --set train.iterations=60 --out runs/color\n\n"
+              "digenrl run configs/tiny-disagg.toml --set schedule.name=async1 --out runs/async1\n\n"
+              "digenrl run configs/tiny-disagg.toml --resume runs/async1")
     app.command("run", epilog=epilog)(run)
     app.command("validate", epilog="Example: digenrl validate configs/tiny-qwenimage.toml --set train.lr=1e-3")(validate)

@@ -24,6 +24,7 @@ from typing import Any
 from digenrl.errors import ConfigError
 
 __all__ = [
+    "check_runnable",
     "ModelConfig",
     "RolloutConfig",
     "TrainConfig",
@@ -368,3 +369,26 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> Config:
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{p}: invalid TOML: {exc}") from exc
     return config_from_dict(apply_overrides(data, overrides or []))
+
+
+_TINY_HINT = "on a CPU-only machine run the embedded tiny default instead: digenrl run configs/tiny-qwenimage.toml"
+
+
+def check_runnable(cfg: Config) -> None:
+    """Fail before any process starts when this machine cannot run ``cfg`` (no GPU, no weights).
+
+    Raises:
+        ConfigError: naming what is missing and pointing to the tiny config.
+    """
+    import torch
+
+    if cfg.model.device.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(f"model.device = {cfg.model.device!r}, but this machine has no CUDA device; {_TINY_HINT}")
+    if cfg.model.preset == "pretrained":
+        root = Path(cfg.model.path)
+        if not cfg.model.path or not root.is_dir():
+            raise ConfigError(f"model.path: weights directory {cfg.model.path!r} does not exist "
+                              f"(set it with --set model.path=/local/diffusers/dir); {_TINY_HINT}")
+        if not (root / "model_index.json").is_file():
+            raise ConfigError(f"model.path: {str(root)!r} has no model_index.json (a diffusers save_pretrained "
+                              f"directory is expected); {_TINY_HINT}")

@@ -49,7 +49,7 @@ _KEYS: dict[str, tuple[str, ...]] = {
 class DisaggSettings:
     """The disaggregated recipe's own settings (see the module docstring for the TOML keys)."""
 
-    schedule: str = "tag"
+    schedule: str = "colocated"  # as digenrl.config.ScheduleConfig.mode; actor schedules are named
     options: dict[str, int] = field(default_factory=dict)
     rollout: int = 1
     trainer: int = 1
