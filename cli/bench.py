@@ -22,6 +22,8 @@ _EPILOG = """Examples:
   digenrl bench bubbles --scenario scale-1024 --schedule colocated --schedule async1 --batches 100
 
   digenrl bench bubbles --list
+
+  digenrl bench bubbles --real --batches 8 --repeats 3 --out runs/real   # the tiny model, for real, on this machine
 """
 
 
@@ -32,8 +34,15 @@ def bubbles(
     batches: int = typer.Option(20, "--batches", min=2, help="Optimizer steps per simulated run."),
     out: Path = typer.Option(None, "--out", help="Write bubbles.json, trace-*.json and gantt-*.png here."),
     list_: bool = typer.Option(False, "--list", help="List scenarios and schedules, then exit."),
+    real: bool = typer.Option(False, "--real", help="Run the tiny model for real here (colocated vs actors) "
+                              "beside the calibrated simulator's prediction."),
+    repeats: int = typer.Option(1, "--repeats", min=1, help="--real: interleaved rounds; rows report the median run."),
 ) -> None:
-    """Simulate scenarios x schedules: samples/s, speedup, bubble ratios, staleness, sync share."""
+    """Simulate scenarios x schedules (or, with --real, measure them on this machine): samples/s, speedup,
+    bubble ratios, staleness, sync share."""
+    if real:
+        _real(schedule or None, batches, out, repeats)
+        return
     from rich.console import Console
     from rich.table import Table
 
@@ -78,6 +87,34 @@ def bubbles(
                   f"recomputes old log-probs ({cal['old_logprob_passes']:g} forward/row)")
     for path in report.files[:1]:
         console.print(f"wrote {path} and {len(report.files) - 1} trace/Gantt files")
+
+
+def _real(schedules: list[str] | None, batches: int, out: Path | None, repeats: int) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    from digenrl.errors import ConfigError
+    from digenrl.recipes.bench_real import run_real_bubbles
+
+    console = Console(width=max(Console().width, 150))
+    try:
+        report = run_real_bubbles(schedules, batches, out, repeats=repeats)
+    except ConfigError as exc:
+        console.print(f"[red]error:[/red] {exc}")
+        raise typer.Exit(2) from exc
+    table = Table(title=f"digenrl bench bubbles --real (tiny Qwen-Image on this machine, {batches} batches, "
+                        f"median of {repeats}; warm-up batch excluded)")
+    for col in ("scenario", "schedule", "samples/s", "speedup", "bubble per actor", "stale", "sim samples/s", "sim error"):
+        table.add_column(col, justify="left" if col in ("scenario", "schedule", "bubble per actor") else "right")
+    for r in report["rows"]:
+        actors = " ".join(f"{k} {v:.0%}" for k, v in sorted(r["bubble_per_actor"].items()))
+        speedup, sim, err = r["speedup_vs_colocated"], r["sim_samples_per_s"], r["sim_error"]
+        table.add_row(r["scenario"], r["schedule"], f"{r['samples_per_s']:.1f}",
+                      f"{speedup:.2f}x" if speedup else "-", actors, str(r["max_staleness"]),
+                      f"{sim:.1f}" if sim else "-", f"{err:+.0%}" if err is not None else "-")
+    console.print(table)
+    if out is not None:
+        console.print(f"wrote {out / 'bubbles.json'} and per-run traces, metrics and Gantt charts under {out}")
 
 
 def register(app: typer.Typer) -> None:
