@@ -30,7 +30,7 @@ import torch
 from digenrl.config import Config
 from digenrl.models import GeneratorModel, load_model, repeat_cond
 from digenrl.models.lora import apply_lora, enable_full_finetune, reference, save_trainable
-from digenrl.recipes._toy import signal_preserving_decoder_init
+from digenrl.recipes._toy import toy_signal_init
 from digenrl.recipes.prompts import load_prompts
 from digenrl.rewards import build_reward
 from digenrl.rewards.base import GuardedReward
@@ -86,8 +86,8 @@ def setup(cfg: Config) -> ColocatedRun:
         guidance_scale=m.guidance_scale,
         text_len=m.text_len or None,
     )
-    if m.vae_init == "signal":
-        signal_preserving_decoder_init(model, seed=m.seed + 3)
+    if m.vae_init == "signal":  # random toy presets: make pixels depend on the latent and the prompt
+        toy_signal_init(model, seed=m.seed + 3)
     if m.finetune == "lora":
         params = apply_lora(model, rank=m.lora_rank, alpha=m.lora_alpha, seed=m.seed,
                             target_modules=m.lora_targets or None)
