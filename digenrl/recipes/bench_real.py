@@ -111,13 +111,35 @@ def _colocated(cfg: Any, iterations: int) -> tuple[dict[str, Any], MeasuredCost,
         iterations, ro.prompts_per_batch, ro.group_size, ro.num_steps, trained_steps(cfg))
 
 
-def _load() -> float:
-    """The 1-minute load average, warning when other work shares the cores (the figures then drift)."""
-    load = os.getloadavg()[0]
-    if load > (os.cpu_count() or 1) + 0.5:
-        log.warning("load average %.1f on %d cores: other processes share the CPU; timings are not comparable",
-                    load, os.cpu_count() or 1)
-    return load
+def _cpu_times() -> tuple[float, float] | None:
+    try:
+        with open("/proc/stat") as f:
+            fields = [float(v) for v in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    return sum(fields), fields[3] + (fields[4] if len(fields) > 4 else 0.0)  # total, idle + iowait
+
+
+def _load(sample_s: float = 0.5) -> float:
+    """Cores kept busy by other processes just before a run (this bench idles while sampling).
+
+    Linux: busy CPU time over ``sample_s`` from ``/proc/stat``; elsewhere the 1-minute load
+    average (which also counts this bench's previous run). Logs a warning above half a core:
+    the figures then drift with the other work, which is why rows record it.
+    """
+    cores = os.cpu_count() or 1
+    first = _cpu_times()
+    if first is None:
+        busy = os.getloadavg()[0]
+    else:
+        time.sleep(sample_s)
+        second = _cpu_times()
+        assert second is not None
+        total, idle = second[0] - first[0], second[1] - first[1]
+        busy = cores * (1.0 - idle / total) if total > 0 else 0.0
+    if busy > 0.5:
+        log.warning("%.1f of %d cores busy with other work before this run: timings are not comparable", busy, cores)
+    return busy
 
 
 def _steady(result: SimResult) -> tuple[float, float]:
@@ -222,7 +244,7 @@ def run_real_bubbles(schedules: list[str] | None = None, num_batches: int = 8, o
                                    time.perf_counter() - start, devices)
                         row["bubble_per_actor"] = {f"colocated (1 process, {threads} threads)": 0.0}
                         row["threads"] = threads
-                        row["load_1m_before"] = load
+                        row["busy_cores_before"] = load
                         coloc.setdefault(threads, []).append(row)
                     continue
                 got: list[Any] = []
@@ -252,7 +274,7 @@ def run_real_bubbles(schedules: list[str] | None = None, num_batches: int = 8, o
                                result.workload, own)  # type: ignore[arg-type]
             own_sps = summarize(own_sim).steady.samples_per_s
             row["sim_error_self_calibrated"] = own_sps / row["samples_per_s"] - 1.0 if row["samples_per_s"] else None
-            row["load_1m_before"] = load
+            row["busy_cores_before"] = load
             row["samples_per_s_runs"] = [r[5] for r in rs]
             rows.append(row)
             results.append(result)
@@ -270,8 +292,8 @@ def run_real_bubbles(schedules: list[str] | None = None, num_batches: int = 8, o
                       "sim_error_self_calibrated": "the same with costs fitted to this run's tokens only",
                       "colocated": "the single-process loop with placement.threads torch threads",
                       "samples_per_s_runs": "every round's samples/s (repeats); the row is the median run",
-                      "load_1m_before": "the machine's 1-minute load average when the run started: rows "
-                                        "measured at different loads are not comparable"}}
+                      "busy_cores_before": "cores busy with other processes just before the run (/proc/stat "
+                                           "over 0.5 s): rows measured at different loads are not comparable"}}
         if out is not None:
             (out / "bubbles.json").write_text(json.dumps(report, indent=1))
             if results:
