@@ -18,7 +18,7 @@ Measured (2-core CPU shared with other jobs, shipped config, 60 iterations, gain
   4.56 -> 4.50 kB. Clear learning, flat control.
 * color, before the prompt-path init (decoder re-draw only): +0.026 (seed 0) and +0.005 (seed 1);
   shuffled control +0.006 and +0.021: indistinguishable.
-* color with ``vae_init = "signal"`` scaling the text->image attention path x4 (digenrl/recipes/_toy.py):
+* color with ``vae_init = "signal"`` scaling the text->image attention path x4 (digenrl/models/_toy.py):
   seed 0 +0.024 (0.449 -> 0.473; control +0.014), seed 1 +0.003 (control -0.000); jpeg (same init) JPEG
   size still falls ~31% (reward -0.0091 -> -0.0063). Better, still NOT a clear, reliable margin: the
   policy-gradient SNR for a low-dimensional statistic (mean colour) of a 1024-element latent is low.

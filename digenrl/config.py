@@ -71,7 +71,7 @@ class ModelConfig:
     lora_alpha: float = 16.0
     lora_targets: list[str] = field(default_factory=list)  # module-name suffixes; empty = the model's default
     # "signal": re-draw a random preset's VAE decoder convs (He init) so pixels depend on the latent;
-    # see digenrl/recipes/_toy.py. Never applies to pretrained weights.
+    # see digenrl/models/_toy.py. Never applies to pretrained weights.
     vae_init: str = "default"
 
     def __post_init__(self) -> None:

@@ -34,6 +34,7 @@ from digenrl.actors.weights import WeightStore, unpack_buckets
 from digenrl.config import Config, config_from_dict
 from digenrl.errors import ActorDied, RemoteError, StalenessViolation
 from digenrl.models import GeneratorModel, cat_cond, load_model, repeat_cond
+from digenrl.models._toy import toy_signal_init
 from digenrl.models.lora import apply_lora, enable_full_finetune
 from digenrl.rl.sde import sde_step
 from digenrl.rl.steps import plan_steps
@@ -76,14 +77,12 @@ def _build_model(cfg: Config) -> tuple[GeneratorModel, list[torch.nn.Parameter]]
     model = load_model(m.name, m.preset, path=m.path or None, device=m.device, dtype=_DTYPES[m.dtype], seed=m.seed,
                        resolution=(m.resolution[0], m.resolution[1]),
                        num_frames=m.num_frames if m.name in ("wan21", "hunyuanvideo") else None,
-                       guidance_scale=m.guidance_scale)
-    if getattr(m, "vae_init", "default") == "signal":  # same toy decoder as the colocated recipe
-        from digenrl.recipes._toy import signal_preserving_decoder_init
-
-        signal_preserving_decoder_init(model, seed=m.seed + 3)
+                       guidance_scale=m.guidance_scale, text_len=m.text_len or None)
+    if m.vae_init == "signal":  # random toy presets: make pixels depend on the latent and the prompt
+        toy_signal_init(model, seed=m.seed + 3)
     if m.finetune == "lora":
         params = apply_lora(model, rank=m.lora_rank, alpha=m.lora_alpha, seed=m.seed,
-                            target_modules=getattr(m, "lora_targets", None) or None)
+                            target_modules=m.lora_targets or None)
     else:
         params = enable_full_finetune(model)
     return model, params

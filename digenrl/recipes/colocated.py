@@ -28,9 +28,9 @@ from typing import Any
 import torch
 
 from digenrl.config import Config
-from digenrl.models import GeneratorModel, load_model, repeat_cond
-from digenrl.models.lora import apply_lora, enable_full_finetune, reference, save_trainable
-from digenrl.recipes._toy import toy_signal_init
+from digenrl.actors.rollout import build_model
+from digenrl.models import GeneratorModel, repeat_cond
+from digenrl.models.lora import reference, save_trainable
 from digenrl.recipes.prompts import load_prompts
 from digenrl.rewards import build_reward
 from digenrl.rewards.base import GuardedReward
@@ -44,7 +44,6 @@ __all__ = ["ColocatedRun", "setup", "iteration", "train", "default_out_dir", "sa
 
 log = logging.getLogger(__name__)
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass
@@ -73,26 +72,7 @@ def setup(cfg: Config) -> ColocatedRun:
     Raises:
         ConfigError: an invalid model, reward or data setting.
     """
-    m = cfg.model
-    model = load_model(
-        m.name,
-        m.preset,
-        path=m.path or None,
-        device=m.device,
-        dtype=_DTYPES[m.dtype],
-        seed=m.seed,
-        resolution=(m.resolution[0], m.resolution[1]),
-        num_frames=m.num_frames if m.name in ("wan21", "hunyuanvideo") else None,
-        guidance_scale=m.guidance_scale,
-        text_len=m.text_len or None,
-    )
-    if m.vae_init == "signal":  # random toy presets: make pixels depend on the latent and the prompt
-        toy_signal_init(model, seed=m.seed + 3)
-    if m.finetune == "lora":
-        params = apply_lora(model, rank=m.lora_rank, alpha=m.lora_alpha, seed=m.seed,
-                            target_modules=m.lora_targets or None)
-    else:
-        params = enable_full_finetune(model)
+    model, params = build_model(cfg)  # the same policy the disaggregated roles build
     t = cfg.train
     opt = torch.optim.AdamW(params, lr=t.lr, betas=(t.betas[0], t.betas[1]), weight_decay=t.weight_decay, eps=t.eps)
     r = cfg.reward
