@@ -45,7 +45,6 @@ __all__ = ["ColocatedRun", "setup", "iteration", "train", "default_out_dir", "sa
 log = logging.getLogger(__name__)
 
 
-
 @dataclass
 class ColocatedRun:
     """Everything one run holds, built by :func:`setup`."""
