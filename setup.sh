@@ -9,8 +9,11 @@ pip() { .venv/bin/python -m pip --disable-pip-version-check -q "$@"; }
 if ! .venv/bin/python -c "import torch" 2>/dev/null; then
   if command -v nvidia-smi >/dev/null 2>&1; then
     pip install "torch==2.13.0"
-  # A CPU wheel on local disk (find-links) first; else the CPU index of the PyTorch project.
-  elif ! pip install --no-index "torch==2.13.0" 2>/dev/null; then
+  # A CPU wheel on local disk (pip's find-links) first, its dependencies from the usual index;
+  # else the CPU index of the PyTorch project, which also serves torch's dependencies.
+  elif pip install --no-index --no-deps "torch==2.13.0" 2>/dev/null; then
+    pip install "torch==2.13.0"
+  else
     pip install "torch==2.13.0" --index-url https://download.pytorch.org/whl/cpu
   fi
 fi
