@@ -79,7 +79,7 @@ def write_gantt(results: list[SimResult], path: Path, title: str, until: float |
 
     n_all = len(results[0].devices)
     n_dev = min(n_all, max_rows)
-    height = (0.11 * n_dev + 0.9) * len(results) + 0.8
+    height = max(3.0, (0.11 * n_dev + 0.9) * len(results) + 0.8)  # below 3 in, tight_layout gives up
     fig, axes = plt.subplots(len(results), 1, figsize=(14, height), squeeze=False)
     for ax, res in zip(axes[:, 0], results):
         shown = [res.devices[round(i * (n_all - 1) / max(1, n_dev - 1))] for i in range(n_dev)] if n_all > n_dev else res.devices
@@ -99,15 +99,19 @@ def write_gantt(results: list[SimResult], path: Path, title: str, until: float |
         ticks = list(range(0, n_dev, step))
         ax.set_yticks(ticks)
         ax.set_yticklabels([f"{shown[i].name} ({shown[i].role.value[0].upper()})" for i in ticks], fontsize=7)
-        ax.set_xlim(0, until if until is not None else res.wall)
+        # Real runs spend their first seconds spawning processes: start the axis at the first span.
+        first = min((s.start for s in res.spans), default=0.0)
+        ax.set_xlim(first if until is None else 0.0, until if until is not None else res.wall)
         note = f", {n_dev} of {n_all} devices shown" if n_all > n_dev else ""
         ax.set_title(f"{res.schedule}  (wall {res.wall:.0f} s{note})", fontsize=9, loc="left")
-        ax.set_xlabel("virtual seconds", fontsize=8)
+        ax.set_xlabel("seconds", fontsize=8)
     legend = [Patch(color=c, label=k.value) for k, c in KIND_COLORS.items()]
     legend.append(Patch(color=_HELPER_COLOR, label="rollout (TAG helper)"))
     fig.suptitle(title, fontsize=11)
     fig.tight_layout(rect=(0, 0.5 / height, 1, 1 - 0.3 / height))
-    fig.legend(handles=legend, loc="lower center", ncol=len(legend), fontsize=8, frameon=False)
+    # Below the figure (bbox_inches="tight" keeps it), so it never covers the last axis label.
+    fig.legend(handles=legend, loc="upper center", bbox_to_anchor=(0.5, 0.0), ncol=len(legend), fontsize=8,
+               frameon=False)
     fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
     return path
