@@ -13,14 +13,10 @@ fragment.
 
 from __future__ import annotations
 
-import concurrent.futures
 from typing import Any
 
-import torch
-
 from digenrl.actors.base import Actor, endpoint
-from digenrl.actors.rollout import FragmentEngine, GenerationMixin, build_model, limit_threads
-from digenrl.config import config_from_dict
+from digenrl.actors.rollout import GenerationMixin
 
 __all__ = ["RewardActor"]
 
@@ -39,18 +35,7 @@ class RewardActor(GenerationMixin, Actor):
         self.peers = {}
 
     async def setup(self) -> None:
-        from digenrl.rewards import build_reward
-
-        limit_threads(self.threads)
-        self.cfg = config_from_dict(self.config)
-        self.name = self.ref.name
-        self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"digenrl-{self.name}")
-        r = self.cfg.reward
-        reward = build_reward(r.weights, url=r.url or None, timeout=r.timeout, retries=r.retries,
-                              image_format=r.image_format, on_error=r.on_error, penalty=r.penalty)
-        model, _ = await self._compute(build_model, self.cfg)
-        model.transformer.requires_grad_(False)
-        self.engine = FragmentEngine(self.cfg, model, reward)
+        await self._setup_frozen_engine()
 
     async def __cleanup__(self, exc: BaseException | None) -> None:
         if hasattr(self, "pool"):

@@ -269,9 +269,29 @@ class GenerationMixin:
     """ROLLOUT and REWARD token execution shared by rollout actors and (TAG) trainers."""
 
     name: str
+    config: dict[str, Any]
+    threads: int
+    cfg: Config
     engine: FragmentEngine
     peers: dict[str, ActorRef[Any]]
     pool: concurrent.futures.ThreadPoolExecutor
+
+    async def _setup_frozen_engine(self) -> GeneratorModel:
+        """Threads, config, compute thread, reward and a frozen policy copy: the setup of actors that
+        generate or score but never train (``self.config``, ``self.threads`` and ``self.ref`` set)."""
+        from digenrl.rewards import build_reward
+
+        limit_threads(self.threads)
+        self.cfg = config_from_dict(self.config)
+        self.name = self.ref.name  # type: ignore[attr-defined]  # the Actor this mixes into
+        self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"digenrl-{self.name}")
+        r = self.cfg.reward
+        reward = build_reward(r.weights, url=r.url or None, timeout=r.timeout, retries=r.retries,
+                              image_format=r.image_format, on_error=r.on_error, penalty=r.penalty)
+        model, _ = await self._compute(build_model, self.cfg)
+        model.transformer.requires_grad_(False)
+        self.engine = FragmentEngine(self.cfg, model, reward)
+        return model
 
     async def _compute(self, fn: Any, *args: Any) -> Any:
         # One dedicated thread per actor: torch's thread-local state stays put and the event loop
@@ -350,18 +370,7 @@ class RolloutActor(GenerationMixin, Actor):
         self.peers = {}
 
     async def setup(self) -> None:
-        from digenrl.rewards import build_reward
-
-        limit_threads(self.threads)
-        self.cfg = config_from_dict(self.config)
-        self.name = self.ref.name
-        self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"digenrl-{self.name}")
-        r = self.cfg.reward
-        reward = build_reward(r.weights, url=r.url or None, timeout=r.timeout, retries=r.retries,
-                              image_format=r.image_format, on_error=r.on_error, penalty=r.penalty)
-        model, _ = await self._compute(build_model, self.cfg)
-        model.transformer.requires_grad_(False)
-        self.engine = FragmentEngine(self.cfg, model, reward)
+        model = await self._setup_frozen_engine()
         self.weights = WeightStore(model, version=-1)
         self._lane: Any = None
 
