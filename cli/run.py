@@ -49,7 +49,8 @@ def run(
     logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     cfg, settings = _load(config, set_)
     out_dir = out or (Path(cfg.log.out) if cfg.log.out else default_out_dir())
-    console = Console(stderr=True)
+    # Wide enough for the per-iteration metrics even when stderr is not a terminal (logs, CI).
+    console = Console(stderr=True, width=max(Console(stderr=True).width, 160))
     if settings.disaggregated:
         history = _run_actors(cfg, settings, out_dir, resume, console)
     elif resume is not None:

@@ -172,7 +172,9 @@ class Node:
         for p in failed:
             if not p.future.done():
                 p.future.set_exception(ActorDied(p.actor, reason))
-        log.warning("node %s: peer %s is dead (%s); failed %d pending call(s)", self.name, address, reason, len(failed))
+        # A peer that leaves with nothing pending (a worker exiting at shutdown) is news, not a problem.
+        level = logging.WARNING if failed else logging.INFO
+        log.log(level, "node %s: peer %s is dead (%s); failed %d pending call(s)", self.name, address, reason, len(failed))
 
     def _on_peer_broken(self, peer: str, error: TransportBroken) -> None:
         if any(p.address == peer for p in self._pending.values()):
