@@ -229,3 +229,63 @@ class Schedule(abc.ABC):
     @abc.abstractmethod
     def done(self) -> bool:
         """True once every batch's optimizer step has run."""
+
+
+class DispatchingSchedule(Schedule):
+    """The event loop every built-in schedule shares: route an event to its handler, then hand out
+    whatever work may start. Subclasses write the handlers and ``_dispatch``; none re-implements the loop.
+    """
+
+    version: int
+    w: Workload
+
+    @property
+    def done(self) -> bool:
+        return self.version >= self.w.num_batches
+
+    def start(self) -> list[Token]:
+        out: list[Token] = []
+        self._begin()
+        self._dispatch(out)
+        return out
+
+    def on_event(self, event: Event) -> list[Token]:
+        """Advance by one event; return the tokens that may start now.
+
+        Raises:
+            ConfigError: a joining device has a role this schedule cannot use.
+            TypeError: ``event`` is not an ``Event``.
+        """
+        out: list[Token] = []
+        if self.done or self.failed:
+            return out
+        if isinstance(event, TokenDone):
+            self._on_done(event)
+        elif isinstance(event, DeviceDied):
+            self._on_died(event.device)
+        elif isinstance(event, DeviceJoined):
+            self._on_joined(event.device)
+        else:
+            raise TypeError(f"not a schedule event: {event!r}")
+        if not self.done and not self.failed:
+            self._before_dispatch()
+            self._dispatch(out)
+        return out
+
+    def _before_dispatch(self) -> None:
+        """Hook run after every event that leaves the run going (default: nothing)."""
+
+    @abc.abstractmethod
+    def _begin(self) -> None: ...
+
+    @abc.abstractmethod
+    def _dispatch(self, out: list[Token]) -> None: ...
+
+    @abc.abstractmethod
+    def _on_done(self, event: TokenDone) -> None: ...
+
+    @abc.abstractmethod
+    def _on_died(self, device: str) -> None: ...
+
+    @abc.abstractmethod
+    def _on_joined(self, device: Device) -> None: ...

@@ -29,11 +29,8 @@ from digenrl.schedule._state import BatchState, FragInfo, FragState, Part
 from digenrl.schedule.base import (
     CostEstimate,
     Device,
-    DeviceDied,
-    DeviceJoined,
-    Event,
+    DispatchingSchedule,
     Role,
-    Schedule,
     Token,
     TokenDone,
     TokenKind,
@@ -49,7 +46,7 @@ log = logging.getLogger(__name__)
 _ROLLOUT, _TRAIN = "rollout", "train"
 
 
-class ColocatedSchedule(Schedule):
+class ColocatedSchedule(DispatchingSchedule):
     """Hybrid devices alternate rollout and training phases with explicit SWITCH tokens.
 
     Args:
@@ -118,37 +115,11 @@ class ColocatedSchedule(Schedule):
             self._rewards[d.name] = None
             self._idle_rewards[d.name] = None
 
-    @property
-    def done(self) -> bool:
-        return self.version >= self.w.num_batches
-
-    def start(self) -> list[Token]:
-        out: list[Token] = []
+    def _begin(self) -> None:
         self._new_batch()
-        self._dispatch(out)
-        return out
 
-    def on_event(self, event: Event) -> list[Token]:
-        """Advance by one event; return the tokens that may start now.
-
-        Raises:
-            ConfigError: a joining device has a role this schedule cannot use.
-            TypeError: ``event`` is not an ``Event``.
-        """
-        out: list[Token] = []
-        if self.done or self.failed:
-            return out
-        if isinstance(event, TokenDone):
-            self._on_done(event)
-        elif isinstance(event, DeviceDied):
-            self._on_died(event.device)
-        elif isinstance(event, DeviceJoined):
-            self._join(event.device)
-        else:
-            raise TypeError(f"not a schedule event: {event!r}")
-        if not self.done and not self.failed:
-            self._dispatch(out)
-        return out
+    def _on_joined(self, device: Device) -> None:
+        self._join(device)
 
     # -- dispatch ------------------------------------------------------------------------------
     def _new_batch(self) -> None:

@@ -37,11 +37,8 @@ from digenrl.schedule._tag import TagMixin
 from digenrl.schedule.base import (
     CostEstimate,
     Device,
-    DeviceDied,
-    DeviceJoined,
-    Event,
+    DispatchingSchedule,
     Role,
-    Schedule,
     Token,
     TokenDone,
     TokenKind,
@@ -57,7 +54,7 @@ log = logging.getLogger(__name__)
 _POOLS = (Role.ROLLOUT, Role.TRAINER, Role.REWARD)
 
 
-class DisaggregatedSchedule(RolloutMixin, TagMixin, Schedule):
+class DisaggregatedSchedule(RolloutMixin, TagMixin, DispatchingSchedule):
     """Disaggregated schedule with GAP, TSP, TAG and one-step async as switches.
 
     Args:
@@ -153,40 +150,16 @@ class DisaggregatedSchedule(RolloutMixin, TagMixin, Schedule):
         return next(iter(self._alive[Role.TRAINER]), None)
 
     # -- public API ----------------------------------------------------------------------------
-    @property
-    def done(self) -> bool:
-        return self.version >= self.w.num_batches
-
-    def start(self) -> list[Token]:
-        out: list[Token] = []
+    def _begin(self) -> None:
         self._open_batches()
-        self._dispatch(out)
-        return out
 
-    def on_event(self, event: Event) -> list[Token]:
-        """Advance by one event; return the tokens that may start now.
+    def _on_joined(self, device: Device) -> None:
+        self._check_new(device)
+        self._add(device)
 
-        Raises:
-            ConfigError: a joining device has a role this schedule cannot use.
-            TypeError: ``event`` is not an ``Event``.
-        """
-        out: list[Token] = []
-        if self.done or self.failed:
-            return out
-        if isinstance(event, TokenDone):
-            self._on_done(event)
-        elif isinstance(event, DeviceDied):
-            self._on_died(event.device)
-        elif isinstance(event, DeviceJoined):
-            self._check_new(event.device)
-            self._add(event.device)
-        else:
-            raise TypeError(f"not a schedule event: {event!r}")
-        if not self.done and not self.failed:
-            if not self._alive[Role.ROLLOUT]:
-                self._restart_orphans()
-            self._dispatch(out)
-        return out
+    def _before_dispatch(self) -> None:
+        if not self._alive[Role.ROLLOUT]:
+            self._restart_orphans()
 
     def _restart_orphans(self) -> None:
         """No rollout device left: READY fragments of a version older than the trainers' ``V`` can
