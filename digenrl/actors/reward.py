@@ -49,8 +49,3 @@ class RewardActor(GenerationMixin, Actor):
         """Learn the other actors' refs."""
         self.peers = dict(peers)
         return self.name
-
-    @endpoint
-    async def reward(self, token: dict[str, Any], prompts: list[str], store: str, images: bool = False) -> dict[str, Any]:
-        """Run a REWARD token: take, decode, score, store; returns rewards and the measured span."""
-        return await self._run_reward(token, prompts, store, images)

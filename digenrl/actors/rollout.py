@@ -276,6 +276,29 @@ class GenerationMixin:
     peers: dict[str, ActorRef[Any]]
     pool: concurrent.futures.ThreadPoolExecutor
 
+    # Token endpoints shared by every generating or scoring actor (rollout, reward, trainer via TAG).
+    @endpoint
+    async def rollout(self, token: dict[str, Any], prompts: list[str]) -> dict[str, Any]:
+        """Run a ROLLOUT token (denoising steps of its fragments); returns the measured span."""
+        return await self._run_rollout(token, prompts)
+
+    @endpoint
+    async def reward(self, token: dict[str, Any], prompts: list[str], store: str, images: bool = False) -> dict[str, Any]:
+        """Run a REWARD token: take, decode, score, hand transitions to trainer ``store``; returns rewards."""
+        return await self._run_reward(token, prompts, store, images)
+
+    @endpoint(control=True)
+    async def take_fragment(self, batch: int, index: int) -> dict[str, Any]:
+        """Hand fragment ``(batch, index)`` over to the caller (it is no longer held here).
+
+        Raises:
+            KeyError: the fragment is not held here.
+        """
+        frag = self.engine.fragments.pop((batch, index), None)
+        if frag is None:
+            raise KeyError(f"{self.name} holds no fragment ({batch}, {index})")
+        return frag.to_wire()
+
     async def _setup_frozen_engine(self) -> GeneratorModel:
         """Threads, config, compute thread, reward and a frozen policy copy: the setup of actors that
         generate or score but never train (``self.config``, ``self.threads`` and ``self.ref`` set)."""
@@ -392,28 +415,6 @@ class RolloutActor(GenerationMixin, Actor):
 
             self._lane = await self._compute(lambda: DistLane(dist["rank"], dist["world_size"], dist["init_method"]))
         return self.name
-
-    @endpoint
-    async def rollout(self, token: dict[str, Any], prompts: list[str]) -> dict[str, Any]:
-        """Run a ROLLOUT token (denoising steps of its fragments); returns the measured span."""
-        return await self._run_rollout(token, prompts)
-
-    @endpoint
-    async def reward(self, token: dict[str, Any], prompts: list[str], store: str, images: bool = False) -> dict[str, Any]:
-        """Run a REWARD token: decode, score, hand transitions to trainer ``store``; returns rewards."""
-        return await self._run_reward(token, prompts, store, images)
-
-    @endpoint(control=True)
-    async def take_fragment(self, batch: int, index: int) -> dict[str, Any]:
-        """Hand fragment ``(batch, index)`` over to the caller (it is no longer held here).
-
-        Raises:
-            KeyError: the fragment is not held here.
-        """
-        frag = self.engine.fragments.pop((batch, index), None)
-        if frag is None:
-            raise KeyError(f"{self.name} holds no fragment ({batch}, {index})")
-        return frag.to_wire()
 
     @endpoint(control=True)
     async def receive_weights(self, version: int, layout: list[Any], buckets: list[Any]) -> int:

@@ -277,28 +277,7 @@ class TrainerActor(GenerationMixin, Actor):
         """The velocity at this trainer's weights on the rollout actors' probe input."""
         return await self._compute(probe_velocity, self.engine, seed)
 
-    # -- TAG ---------------------------------------------------------------------------------
-    @endpoint
-    async def rollout(self, token: dict[str, Any], prompts: list[str]) -> dict[str, Any]:
-        """Run a TAG ROLLOUT token at this trainer's own version."""
-        return await self._run_rollout(token, prompts)
-
-    @endpoint
-    async def reward(self, token: dict[str, Any], prompts: list[str], store: str, images: bool = False) -> dict[str, Any]:
-        """Score fragments this trainer generated (TAG) and store their transitions."""
-        return await self._run_reward(token, prompts, store, images)
-
-    @endpoint(control=True)
-    async def take_fragment(self, batch: int, index: int) -> dict[str, Any]:
-        """Hand over a fragment this trainer generated (TAG) to another actor.
-
-        Raises:
-            KeyError: the fragment is not held here.
-        """
-        frag = self.engine.fragments.pop((batch, index), None)
-        if frag is None:
-            raise KeyError(f"{self.name} holds no fragment ({batch}, {index})")
-        return frag.to_wire()
+    # -- TAG: rollout / reward / take_fragment endpoints come from GenerationMixin -------------------
 
     # -- checkpoints -----------------------------------------------------------------------------
     @endpoint
