@@ -102,12 +102,19 @@ class RolloutConfig:
     sde: str = "sde"
     steps: str = "all_but_last"
     window: int = 2
+    # ``[lo, hi]``: the window starts at a step drawn from lo..hi (per group); empty = 0..N-1-window.
+    # ``[0, 0]`` always trains the first, noisiest steps, where an image's layout and colours are decided.
+    window_range: list[int] = field(default_factory=list)
     fraction: float = 0.6
     group_size: int = 4
     prompts_per_batch: int = 8
     # Members of a group share x_0 (DanceGRPO's init_same_noise; ALGORITHM (e).13): reward differences
     # inside a group then come only from the transition noise the policy gradient credits.
     same_init_noise: bool = False
+
+    def window_bounds(self) -> tuple[int, int] | None:
+        """``window_range`` as the ``plan_steps`` argument (None: the default range)."""
+        return (self.window_range[0], self.window_range[1]) if self.window_range else None
 
     def __post_init__(self) -> None:
         from digenrl.rl.sde import SDE_KINDS
@@ -118,6 +125,10 @@ class RolloutConfig:
         _choice("rollout.sde", self.sde, SDE_KINDS)
         _choice("rollout.steps", self.steps, STEP_MODES)
         _check("rollout.window", 1 <= self.window <= self.num_steps - 1, f"in 1..{self.num_steps - 1}", self.window)
+        lo_hi = self.window_range
+        _check("rollout.window_range", not lo_hi or (len(lo_hi) == 2 and 0 <= lo_hi[0] <= lo_hi[1]
+               and lo_hi[1] + self.window <= self.num_steps - 1),
+               f"[] or [lo, hi] with 0 <= lo <= hi <= {self.num_steps - 1 - self.window} (num_steps - 1 - window)", lo_hi)
         _check("rollout.fraction", 0 < self.fraction <= 1, "in (0, 1]", self.fraction)
         _check("rollout.group_size", self.group_size >= 2, ">= 2 (advantages compare within a group)", self.group_size)
         _check("rollout.prompts_per_batch", self.prompts_per_batch >= 1, ">= 1", self.prompts_per_batch)

@@ -196,7 +196,8 @@ class FragmentEngine:
     def _plan(self, frag: FragmentData) -> Any:
         ro = self.cfg.rollout
         return plan_steps(ro.num_steps, frag.prompt_ids(), frag.sample_ids(), mode=ro.steps,  # type: ignore[arg-type]
-                          window=ro.window, fraction=ro.fraction, seed=self.cfg.log.seed * 1_000_003 + frag.geo[0])
+                          window=ro.window, window_range=ro.window_bounds(), fraction=ro.fraction,
+                          seed=self.cfg.log.seed * 1_000_003 + frag.geo[0])
 
     @torch.no_grad()
     def advance(self, frags: list[FragmentData], start: int, stop: int) -> None:

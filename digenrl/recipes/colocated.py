@@ -122,7 +122,8 @@ def iteration(run: ColocatedRun, it: int) -> tuple[dict[str, float], torch.Tenso
         x0 = model.prepare_latents(len(batch_prompts), generator=gen).repeat_interleave(g, dim=0)
     else:
         x0 = model.prepare_latents(len(prompts), generator=gen)
-    plan = plan_steps(ro.num_steps, groups, mode=ro.steps, window=ro.window, fraction=ro.fraction, seed=seed)  # type: ignore[arg-type]
+    plan = plan_steps(ro.num_steps, groups, mode=ro.steps, window=ro.window,
+                       window_range=ro.window_bounds(), fraction=ro.fraction, seed=seed)  # type: ignore[arg-type]
     res = rollout_steps(model.velocity, x0, cond, run.sigmas, plan, 0, ro.num_steps,
                         noise_level=ro.noise_level, kind=ro.sde, generator=gen, policy_version=it)  # type: ignore[arg-type]
     t1 = time.perf_counter()

@@ -37,6 +37,7 @@ def test_shipped_config_loads_with_overrides() -> None:
         ("rollout.sde=ode", r"rollout.sde: 'ode' is not allowed; allowed: 'sde', 'wan', 'dance', 'cps'"),
         ("rollout.group_size=1", r"rollout.group_size: must be >= 2"),
         ("rollout.window=99", r"rollout.window: must be in 1\.\.5"),
+        ("rollout.window_range=[3,4]", r"rollout.window_range: must be \[\] or \[lo, hi\] with 0 <= lo <= hi <= 3"),
         ("model.name=sd3", r"model.name: 'sd3' is not allowed; allowed: 'qwenimage', 'flux'"),
         ("model.preset=pretrained", r"model.vae_init: must be 'default' for pretrained weights"),
         ("model.preset=pretrained;model.vae_init=default", r"model.path: must be set for preset 'pretrained'"),

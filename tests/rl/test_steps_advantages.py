@@ -120,3 +120,13 @@ def test_assembler_emits_only_complete_groups_and_rejects_bad_fragments() -> Non
         asm.add([1, 2], [1], [0.0])
     with pytest.raises(ValueError, match="num_groups"):
         GroupAssembler(3, std="global")
+
+
+def test_window_range_pins_the_window_start() -> None:
+    from digenrl.config import RolloutConfig
+
+    ro = RolloutConfig(num_steps=6, steps="window", window=1, window_range=[0, 0])
+    p = plan_steps(ro.num_steps, [0, 0, 1, 1, 2, 2], mode="window", window=ro.window, window_range=ro.window_bounds(), seed=3)
+    assert p.stochastic[:, 0].all() and not p.stochastic[:, 1:].any()
+    assert torch.equal(p.trained, p.stochastic) and (p.window_start == 0).all()
+    assert RolloutConfig().window_bounds() is None
