@@ -14,20 +14,18 @@ if TYPE_CHECKING:
     from rich.console import Console
 
     from digenrl.config import Config
-    from digenrl.recipes.disagg_config import DisaggSettings
 
 _SET_HELP = "Override a config value, e.g. --set train.lr=1e-3 (repeatable; values are TOML literals)."
 
 
-def _load(config: Path, overrides: list[str] | None, validate_only: bool = False) -> tuple[Config, DisaggSettings]:
-    from digenrl.config import check_runnable
-    from digenrl.recipes.disagg_config import load_disagg_config
+def _load(config: Path, overrides: list[str] | None, validate_only: bool = False) -> Config:
+    from digenrl.config import check_runnable, load_config
 
     try:
-        cfg, settings = load_disagg_config(config, overrides or [])
+        cfg = load_config(config, overrides or [])
         if not validate_only:
             check_runnable(cfg)
-        return cfg, settings
+        return cfg
     except ConfigError as exc:
         typer.secho(f"config error: {exc}", fg=typer.colors.RED, err=True)
         raise typer.Exit(2) from exc
@@ -47,12 +45,12 @@ def run(
     from digenrl.recipes.colocated import default_out_dir, summarize
 
     logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    cfg, settings = _load(config, set_)
+    cfg = _load(config, set_)
     out_dir = out or (Path(cfg.log.out) if cfg.log.out else default_out_dir())
     # Wide enough for the per-iteration metrics even when stderr is not a terminal (logs, CI).
     console = Console(stderr=True, width=max(Console(stderr=True).width, 160))
-    if settings.disaggregated:
-        history = _run_actors(cfg, settings, out_dir, resume, console)
+    if cfg.disaggregated:
+        history = _run_actors(cfg, out_dir, resume, console)
     elif resume is not None:
         typer.secho("--resume needs an actor schedule (schedule.name = disaggregated, gap, tsp, tag or async1); "
                     "the colocated loop keeps no checkpoints", fg=typer.colors.RED, err=True)
@@ -64,7 +62,7 @@ def run(
                   f"(gain {s['gain']:+.4f}); outputs in {out_dir}")
 
 
-def _run_actors(cfg: Config, settings: DisaggSettings, out_dir: Path, resume: Path | None,
+def _run_actors(cfg: Config, out_dir: Path, resume: Path | None,
                 console: Console) -> list[dict[str, Any]]:
     from dataclasses import replace
 
@@ -72,7 +70,7 @@ def _run_actors(cfg: Config, settings: DisaggSettings, out_dir: Path, resume: Pa
     from digenrl.recipes.disaggregated import run_disaggregated
 
     try:
-        return run_disaggregated(cfg, out_dir, resume, settings=replace(settings, live=True))
+        return run_disaggregated(replace(cfg, log=replace(cfg.log, live=True)), out_dir, resume)
     except (RunStopped, ConfigError) as exc:
         console.print(f"[red]{type(exc).__name__}:[/red] {exc}")
         raise typer.Exit(1) from exc
@@ -101,9 +99,9 @@ def validate(
     set_: Annotated[list[str] | None, typer.Option("--set", help=_SET_HELP)] = None,
 ) -> None:
     """Check a config (keys, types, allowed values) without building anything."""
-    cfg, settings = _load(config, set_, validate_only=True)
+    cfg = _load(config, set_, validate_only=True)
     typer.echo(f"{config}: ok ({cfg.model.name}/{cfg.model.preset}, reward {dict(cfg.reward.weights)}, "
-               f"{cfg.train.iterations} iterations, schedule {settings.schedule})")
+               f"{cfg.train.iterations} iterations, schedule {cfg.schedule.name})")
 
 
 def register(app: typer.Typer) -> None:

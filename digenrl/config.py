@@ -9,6 +9,10 @@ builds :class:`Config`. Every problem (unknown table or key, wrong type, a value
 set or range) raises :class:`~digenrl.errors.ConfigError` naming the key and what is allowed, before
 any model is built. Later issues extend a table by adding fields to its dataclass; unknown keys stay
 errors, so a typo never silently falls back to a default.
+
+``[schedule] name`` picks the recipe: ``colocated`` is the single-process loop, every other name
+(:data:`ACTOR_SCHEDULES`) runs the disaggregated actors placed by ``[placement]`` and wired by
+``[transport]`` (:attr:`Config.disaggregated`, :attr:`Config.schedule_options`).
 """
 
 from __future__ import annotations
@@ -35,6 +39,9 @@ __all__ = [
     "TransportConfig",
     "LogConfig",
     "Config",
+    "ACTOR_SCHEDULES",
+    "SCHEDULE_NAMES",
+    "OPTION_KEYS",
     "load_config",
     "config_from_dict",
     "parse_override",
@@ -207,38 +214,88 @@ class DataConfig:
             _choice("data.prompt_set", self.prompt_set, tuple(PROMPT_SETS))
 
 
+ACTOR_SCHEDULES = ("disaggregated", "gap", "tsp", "tag", "async1")
+SCHEDULE_NAMES = ("colocated", *ACTOR_SCHEDULES)
+# ScheduleOptions token sizes a config may override (0 = the schedule's default).
+OPTION_KEYS = ("fragment_groups", "fragment_members", "step_chunk", "rollout_batch", "train_pack", "tag_steps")
+
+
 @dataclass(frozen=True)
 class ScheduleConfig:
-    """``[schedule]``: how rollout and training interleave."""
+    """``[schedule]``: how rollout and training interleave (``colocated``: the single-process loop).
 
-    mode: str = "colocated"
+    The token sizes override the schedule's ``ScheduleOptions``; 0 (or absent) keeps its default.
+    """
+
+    name: str = "colocated"
     staleness: int = 0
+    fragment_groups: int = 0
+    fragment_members: int = 0
+    step_chunk: int = 0
+    rollout_batch: int = 0
+    train_pack: int = 0
+    tag_steps: int = 0
 
     def __post_init__(self) -> None:
-        _choice("schedule.mode", self.mode, ("colocated",))
+        _choice("schedule.name", self.name, SCHEDULE_NAMES)
         _choice("schedule.staleness", self.staleness, (0, 1))
+        for key in OPTION_KEYS:
+            value = getattr(self, key)
+            _check(f"schedule.{key}", value >= 0, "a positive integer (0 = the schedule's default)", value)
+
+    def options(self) -> dict[str, int]:
+        """The set token sizes as ``ScheduleOptions`` overrides (unset ones left out)."""
+        return {key: getattr(self, key) for key in OPTION_KEYS if getattr(self, key)}
 
 
 @dataclass(frozen=True)
 class PlacementConfig:
-    """``[placement]``: processes and threads (one process in the colocated recipe)."""
+    """``[placement]``: threads of the colocated process; actors per role and their threads.
 
-    processes: int = 1
-    threads: int = 2
+    ``workers > 0`` waits for that many ``digenrl worker --join`` processes (one per GPU, any host).
+    """
+
+    threads: int = 2  # colocated only
+    rollout: int = 1
+    trainer: int = 1
+    reward: int = 0
+    actor_threads: int = 1
+    workers: int = 0
 
     def __post_init__(self) -> None:
-        _check("placement.processes", self.processes >= 1, ">= 1", self.processes)
         _check("placement.threads", self.threads >= 1, ">= 1", self.threads)
+        _check("placement.rollout", self.rollout >= 0, ">= 0 (0: trainers generate, needs TAG)", self.rollout)
+        _check("placement.trainer", self.trainer >= 1, ">= 1", self.trainer)
+        _check("placement.reward", self.reward >= 0, ">= 0", self.reward)
+        _check("placement.actor_threads", self.actor_threads >= 1, ">= 1", self.actor_threads)
+        _check("placement.workers", self.workers >= 0, ">= 0", self.workers)
+        actors = self.rollout + self.trainer + self.reward
+        if self.workers and self.workers < actors:
+            raise ConfigError(f"placement.workers = {self.workers}: one actor per joined worker needs at least "
+                              f"{actors} (rollout + trainer + reward)")
 
 
 @dataclass(frozen=True)
 class TransportConfig:
-    """``[transport]``: how tensors move between processes (``inproc`` for one process)."""
+    """``[transport]``: how actors talk and how weights move.
 
-    kind: str = "inproc"
+    ``actors``: ``zmq`` (one process per actor) or ``inproc`` (all in this process); ``weights``:
+    ``zmq``, ``torchdist`` (gloo on CPU, NCCL on GPU) or ``cuda_ipc``; ``address``: the driver's bind
+    address (empty: a private ipc path; ``tcp://<this host>:<port>`` for joining workers).
+    """
+
+    actors: str = "zmq"
+    weights: str = "zmq"
+    bucket_mb: float = 64.0  # weight buckets
+    address: str = ""
 
     def __post_init__(self) -> None:
-        _choice("transport.kind", self.kind, ("inproc", "zmq", "torch_distributed", "cuda_ipc", "nccl"))
+        _choice("transport.actors", self.actors, ("zmq", "inproc"))
+        _choice("transport.weights", self.weights, ("zmq", "torchdist", "cuda_ipc"))
+        if self.actors == "inproc" and self.weights != "zmq":
+            raise ConfigError(f"transport.weights: must be 'zmq' (actor messages) when transport.actors = 'inproc', "
+                              f"got {self.weights!r}")
+        _check("transport.bucket_mb", self.bucket_mb > 0, "> 0", self.bucket_mb)
 
 
 @dataclass(frozen=True)
@@ -249,10 +306,18 @@ class LogConfig:
     image_every: int = 10  # 0 disables image grids
     images_per_grid: int = 16
     seed: int = 0  # run seed: prompts, noise, step windows
+    checkpoint_every: int = 1  # optimizer steps between checkpoints (actor runs); 0 disables them
+    keep_checkpoints: int = 2
+    trace: bool = True  # trace.json (Chrome/Perfetto spans of every actor)
+    gantt: bool = True  # gantt.png
+    tensorboard: bool = False
+    live: bool = False  # a live metrics table on the terminal
 
     def __post_init__(self) -> None:
         _check("log.image_every", self.image_every >= 0, ">= 0", self.image_every)
         _check("log.images_per_grid", self.images_per_grid >= 1, ">= 1", self.images_per_grid)
+        _check("log.checkpoint_every", self.checkpoint_every >= 0, ">= 0", self.checkpoint_every)
+        _check("log.keep_checkpoints", self.keep_checkpoints >= 1, ">= 1", self.keep_checkpoints)
 
 
 @dataclass(frozen=True)
@@ -268,6 +333,26 @@ class Config:
     placement: PlacementConfig = field(default_factory=PlacementConfig)
     transport: TransportConfig = field(default_factory=TransportConfig)
     log: LogConfig = field(default_factory=LogConfig)
+
+    def __post_init__(self) -> None:
+        # Checks across tables (each table checks its own keys first).
+        name, place, transport = self.schedule.name, self.placement, self.transport
+        if place.rollout == 0 and name not in ("tag", "async1", "colocated"):
+            raise ConfigError(f"placement.rollout = 0 needs a schedule with TAG (tag, async1), not {name!r} "
+                              f"(schedule.name)")
+        if place.workers and (transport.actors != "zmq" or not transport.address.startswith("tcp://")):
+            raise ConfigError("placement.workers > 0 needs transport.actors = 'zmq' and transport.address = "
+                              "'tcp://<this host>:<port>' for the workers to join")
+
+    @property
+    def disaggregated(self) -> bool:
+        """True when the run uses actors (every ``schedule.name`` except ``colocated``)."""
+        return self.schedule.name != "colocated"
+
+    @property
+    def schedule_options(self) -> dict[str, int]:
+        """The ``ScheduleOptions`` overrides of ``[schedule]`` (only the token sizes that are set)."""
+        return self.schedule.options()
 
     def to_dict(self) -> dict[str, Any]:
         """Plain nested dict (TOML/JSON friendly)."""
@@ -302,11 +387,21 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
     return value
 
 
+_RETIRED = {  # keys of older configs: a clearer error than "unknown key"
+    "schedule.mode": "renamed to schedule.name (colocated | disaggregated | gap | tsp | tag | async1)",
+    "placement.processes": "removed (unused); placement.rollout, trainer and reward set the actor processes",
+    "transport.kind": "removed (unused); transport.actors and transport.weights choose the transports",
+}
+
+
 def _build(cls: type, table: Any, prefix: str) -> Any:
     _check(prefix, isinstance(table, dict), "a table", table)
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
     unknown = sorted(set(table) - set(names))
+    for key in unknown:
+        if f"{prefix}.{key}" in _RETIRED:
+            raise ConfigError(f"{prefix}.{key}: {_RETIRED[f'{prefix}.{key}']}")
     if unknown:
         raise ConfigError(f"{prefix}.{unknown[0]}: unknown key; allowed in [{prefix}]: {', '.join(names)}")
     kwargs = {k: _coerce(f"{prefix}.{k}", v, hints[k]) for k, v in table.items()}

@@ -32,8 +32,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from digenrl.config import ACTOR_SCHEDULES, load_config
 from digenrl.errors import ConfigError
-from digenrl.recipes.disagg_config import ACTOR_SCHEDULES, load_disagg_config
 from digenrl.recipes.observe import window_bubbles
 from digenrl.schedule import make_schedule
 from digenrl.schedule.base import Device, Role, Token, TokenKind, Workload
@@ -228,15 +228,14 @@ def run_real_bubbles(schedules: list[str] | None = None, num_batches: int = 8, o
             for sched in chosen:
                 # "<schedule>+reward": the same schedule with a reward actor of its own (decode + score).
                 extra = ["placement.reward=1"] if sched.endswith("+reward") else []
-                cfg, settings = load_disagg_config(config, [*base, f"schedule.name={sched.removesuffix('+reward')}",
-                                                            *extra])
+                cfg = load_config(config, [*base, f"schedule.name={sched.removesuffix('+reward')}", *extra])
                 if sched == "colocated":
                     # Both cores in one process (the baseline), and one core: on a loaded machine a
                     # 2-thread OpenMP process can stall at its barriers, so both figures are reported.
                     for threads in dict.fromkeys((cfg.placement.threads, 1)):
                         start, load = time.perf_counter(), _load()
-                        one = dataclasses.replace(cfg, placement=dataclasses.replace(cfg.placement, threads=threads))
-                        measured, cost, workload = _colocated(one, num_batches)
+                        threaded = dataclasses.replace(cfg, placement=dataclasses.replace(cfg.placement, threads=threads))
+                        measured, cost, workload = _colocated(threaded, num_batches)
                         devices = [Device("hybrid-0", Role.HYBRID)]
                         sim = simulate(make_schedule("colocated", devices, workload, cost), devices, workload, cost)  # type: ignore[arg-type]
                         suffix = "" if threads == cfg.placement.threads else f"-{threads}thread"
@@ -250,7 +249,7 @@ def run_real_bubbles(schedules: list[str] | None = None, num_batches: int = 8, o
                 got: list[Any] = []
                 start, load = time.perf_counter(), _load()
                 where = root / (f"real-{sched}" + (f"-r{rnd}" if rnd else ""))
-                asyncio.run(arun_disaggregated(cfg, where, settings=settings,
+                asyncio.run(arun_disaggregated(cfg, where,
                                                on_result=lambda r, log: got.append((r, log))))
                 result, tokens = got[0]
                 runs.setdefault(sched, []).append((result, tokens, time.perf_counter() - start, list(result.devices),

@@ -2,7 +2,7 @@
 
 ::
 
-    run_disaggregated(cfg, "runs/x", settings=DisaggSettings(schedule="tag"))     # or from the CLI:
+    run_disaggregated(load_config("configs/tiny-disagg.toml"), "runs/x")     # or from the CLI:
     digenrl run configs/tiny-disagg.toml --set schedule.name=async1
 
 Setup (torchtune-style, everything built before the first token): spawn the trainers, rollout and
@@ -36,9 +36,9 @@ from digenrl.actors.coordinator import Coordinator, RunStopped
 from digenrl.actors.reward import RewardActor
 from digenrl.actors.rollout import RolloutActor
 from digenrl.actors.trainer import TrainerActor
-from digenrl.config import Config
+from digenrl.config import ACTOR_SCHEDULES, Config
+from digenrl.errors import ConfigError
 from digenrl.recipes.checkpoint import find_checkpoint, load_state, save_checkpoint
-from digenrl.recipes.disagg_config import DisaggSettings
 from digenrl.recipes.observe import LiveDisplay, MetricsLog, run_stats, write_artifacts
 from digenrl.recipes.prompts import load_prompts
 from digenrl.schedule.base import CostEstimate, Device, Role, Token
@@ -90,26 +90,28 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-async def start_cluster(system: ActorSystem, cfg: Config, settings: DisaggSettings, version: int = 0) -> Cluster:
-    """Spawn and wire the actors of ``settings`` inside a started ``system``.
+async def start_cluster(system: ActorSystem, cfg: Config, version: int = 0) -> Cluster:
+    """Spawn and wire the actors of ``cfg.placement`` inside a started ``system``.
 
     Raises:
         RemoteError: an actor's constructor or setup failed (its traceback attached).
         ActorDied: an actor process died before it was ready.
     """
-    process = settings.actors == "zmq"
+    place = cfg.placement
+    process = cfg.transport.actors == "zmq"
     conf = cfg.to_dict()
-    staleness = max(cfg.schedule.staleness, 1 if settings.schedule == "async1" else 0)
+    staleness = max(cfg.schedule.staleness, 1 if cfg.schedule.name == "async1" else 0)
     plan: list[tuple[str, Role, type, tuple[Any, ...]]] = []
-    plan += [(f"trainer-{i}", Role.TRAINER, TrainerActor, (conf, settings.actor_threads, staleness, settings.bucket_mb))
-             for i in range(settings.trainer)]
-    plan += [(f"rollout-{i}", Role.ROLLOUT, RolloutActor, (conf, settings.actor_threads)) for i in range(settings.rollout)]
-    plan += [(f"reward-{i}", Role.REWARD, RewardActor, (conf, settings.actor_threads)) for i in range(settings.reward)]
-    if settings.workers:
+    plan += [(f"trainer-{i}", Role.TRAINER, TrainerActor,
+              (conf, place.actor_threads, staleness, cfg.transport.bucket_mb)) for i in range(place.trainer)]
+    plan += [(f"rollout-{i}", Role.ROLLOUT, RolloutActor, (conf, place.actor_threads)) for i in range(place.rollout)]
+    plan += [(f"reward-{i}", Role.REWARD, RewardActor, (conf, place.actor_threads)) for i in range(place.reward)]
+    spawns: list[Any]
+    if place.workers:
         # One actor per joined worker (each worker is one GPU of some host, its launcher sets
         # CUDA_VISIBLE_DEVICES), in join order: trainers first, then rollout and reward actors.
-        log.info("waiting for %d workers to join %s", settings.workers, system.address)
-        workers = await system.wait_for_workers(settings.workers, timeout=600.0)
+        log.info("waiting for %d workers to join %s", place.workers, system.address)
+        workers = await system.wait_for_workers(place.workers, timeout=600.0)
         spawns = [system.spawn(cls, *args, name=name, on=w) for (name, _, cls, args), w in zip(plan, workers)]
     else:
         plan = [(name, role, cls, (_on_gpu(conf, k), *args[1:])) for k, (name, role, cls, args) in enumerate(plan)]
@@ -120,7 +122,7 @@ async def start_cluster(system: ActorSystem, cfg: Config, settings: DisaggSettin
     devices = [Device(name, role) for name, role, _, _ in plan]
     cluster = Cluster(system, refs, devices)
     dist: dict[str, dict[str, Any]] = {}
-    if settings.weights == "torchdist":
+    if cfg.transport.weights == "torchdist":
         url = f"tcp://127.0.0.1:{_free_port()}"
         members = [cluster.names(Role.TRAINER)[0], *cluster.names(Role.ROLLOUT)]
         dist = {n: {"rank": i, "world_size": len(members), "init_method": url} for i, n in enumerate(members)}
@@ -138,7 +140,7 @@ async def start_cluster(system: ActorSystem, cfg: Config, settings: DisaggSettin
 
 
 async def arun_disaggregated(cfg: Config, out_dir: str | Path | None = None, resume: str | Path | None = None, *,
-                             settings: DisaggSettings | None = None, cost: CostEstimate | None = None,
+                             cost: CostEstimate | None = None,
                              on_step: Callable[[dict[str, Any]], None] | None = None,
                              write_files: bool = True,
                              on_result: Callable[[SimResult, list[tuple[Token, float]]], None] | None = None,
@@ -147,10 +149,17 @@ async def arun_disaggregated(cfg: Config, out_dir: str | Path | None = None, res
 
     ``on_result`` receives the run's spans (as the simulator's ``SimResult``) and every completed
     token with its measured seconds (benchmarks calibrate the simulator from them).
+
+    Raises:
+        ConfigError: ``schedule.name`` is not an actor schedule, or a bad checkpoint.
+        RunStopped, RemoteError: as :func:`run_disaggregated`.
     """
     from digenrl.recipes.colocated import default_out_dir, save_grid
 
-    settings = settings or DisaggSettings()
+    if not cfg.disaggregated:
+        raise ConfigError(f"schedule.name = {cfg.schedule.name!r} runs the single-process loop; the actor recipe "
+                          f"needs one of {', '.join(ACTOR_SCHEDULES)} (run_disaggregated runs both)")
+    sched, place, transport, logc = cfg.schedule, cfg.placement, cfg.transport, cfg.log
     out = Path(out_dir or cfg.log.out or default_out_dir())
     base, history, ckpt = 0, [], None
     if resume is not None:
@@ -163,9 +172,9 @@ async def arun_disaggregated(cfg: Config, out_dir: str | Path | None = None, res
     torch.set_num_threads(1)
     if write_files:
         out.mkdir(parents=True, exist_ok=True)
-        (out / "config.json").write_text(json.dumps({**cfg.to_dict(), "disaggregated": settings.to_dict()}, indent=2))
-    metrics = MetricsLog(out if write_files else None, settings.tensorboard, history)
-    live = LiveDisplay(cfg.train.iterations, f"digenrl {settings.schedule}") if settings.live else None
+        (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
+    metrics = MetricsLog(out if write_files else None, logc.tensorboard, history)
+    live = LiveDisplay(cfg.train.iterations, f"digenrl {sched.name}") if logc.live else None
     t0 = time.time()
 
     def step_done(m: dict[str, Any]) -> None:
@@ -180,9 +189,9 @@ async def arun_disaggregated(cfg: Config, out_dir: str | Path | None = None, res
                   columns=cfg.rollout.group_size)
 
     # cuda_ipc: the actors' messages (weights and latents alike) carry CUDA IPC handles instead of host copies.
-    kind = "cuda_ipc" if settings.weights == "cuda_ipc" else settings.actors
-    async with ActorSystem(transport=kind, address=settings.address or None, name="coordinator") as system:
-        cluster = await start_cluster(system, cfg, settings, base)
+    kind = "cuda_ipc" if transport.weights == "cuda_ipc" else transport.actors
+    async with ActorSystem(transport=kind, address=transport.address or None, name="coordinator") as system:
+        cluster = await start_cluster(system, cfg, base)
         trainers = cluster.names(Role.TRAINER)
         if ckpt is not None:
             await asyncio.gather(*(cluster.refs[n].load_state.call(str(ckpt), base) for n in trainers))
@@ -192,15 +201,15 @@ async def arun_disaggregated(cfg: Config, out_dir: str | Path | None = None, res
             assert coordinator is not None
             lead = cluster.refs[coordinator.trainers[0]]
             await save_checkpoint(out / "checkpoints", step, state, lambda d: lead.save_state.call(str(d)),
-                                  keep=settings.keep_checkpoints)
+                                  keep=logc.keep_checkpoints)
 
         coordinator = Coordinator(
-            cfg, settings.schedule, cluster.devices, cluster.refs,
+            cfg, sched.name, cluster.devices, cluster.refs,
             load_prompts(cfg.data.prompt_set, cfg.data.prompts, cfg.data.prompt_file),
-            options=settings.options, cost=cost or tiny_cpu_cost(), base=base, history=history,
-            is_dead=cluster.is_dead, weights_lane="torchdist" if settings.weights == "torchdist" else "zmq",
-            bucket_mb=settings.bucket_mb, checkpoint=checkpoint if write_files else None,
-            checkpoint_every=settings.checkpoint_every, on_step=step_done,
+            options=cfg.schedule_options, cost=cost or tiny_cpu_cost(), base=base, history=history,
+            is_dead=cluster.is_dead, weights_lane="torchdist" if transport.weights == "torchdist" else "zmq",
+            bucket_mb=transport.bucket_mb, checkpoint=checkpoint if write_files else None,
+            checkpoint_every=logc.checkpoint_every, on_step=step_done,
             on_images=images if write_files else None, t0=t0)
         try:
             if live is not None:
@@ -213,28 +222,30 @@ async def arun_disaggregated(cfg: Config, out_dir: str | Path | None = None, res
             if live is not None:
                 live.__exit__(None, None, None)
             metrics.close()
-            result = coordinator.spans.result(settings.schedule, cluster.devices, coordinator.workload,
+            result = coordinator.spans.result(sched.name, cluster.devices, coordinator.workload,
                                               time.time() - t0)
             if on_result is not None:
                 on_result(result, coordinator.token_log)
             if write_files:
-                write_artifacts(out, result, settings.trace, settings.gantt)
+                write_artifacts(out, result, logc.trace, logc.gantt)
                 (out / "summary.json").write_text(json.dumps({**run_stats(result),
                                                               "lost_devices": coordinator.lost_devices}, indent=1))
     return history
 
 
 def run_disaggregated(cfg: Config, out_dir: str | Path | None = None, resume: str | Path | None = None, *,
-                      settings: DisaggSettings | None = None, cost: CostEstimate | None = None,
+                      cost: CostEstimate | None = None,
                       on_step: Callable[[dict[str, Any]], None] | None = None,
                       write_files: bool = True) -> list[dict[str, Any]]:
-    """Run ``cfg.train.iterations`` optimizer steps with the schedule in ``settings``; returns the metrics.
+    """Run ``cfg.train.iterations`` optimizer steps with ``cfg.schedule.name``; returns the metrics.
+
+    ``colocated`` runs the single-process loop (:func:`digenrl.recipes.colocated.train`); the actor
+    schedules run with ``cfg.placement`` and ``cfg.transport``.
 
     Args:
         cfg: the validated run config.
         out_dir: output directory (default ``log.out``, else ``runs/<timestamp>``).
         resume: a run directory, checkpoints directory or ``step-*`` checkpoint to continue from.
-        settings: schedule, placement and transport (default: ``DisaggSettings()``, TAG on zmq).
         cost: the schedules' cost estimate (default :func:`tiny_cpu_cost`).
         on_step: called with each optimizer step's metrics.
         write_files: False keeps everything in memory (no metrics, checkpoints or pictures).
@@ -244,10 +255,9 @@ def run_disaggregated(cfg: Config, out_dir: str | Path | None = None, resume: st
         ConfigError: a bad setting or checkpoint.
         RemoteError: an actor failed (its traceback attached).
     """
-    settings = settings or DisaggSettings()
-    if not settings.disaggregated:
+    if not cfg.disaggregated:
         from digenrl.recipes.colocated import train
 
         return train(cfg, out_dir=out_dir, on_iteration=on_step, write_files=write_files)  # type: ignore[arg-type]
-    return asyncio.run(arun_disaggregated(cfg, out_dir, resume, settings=settings, cost=cost, on_step=on_step,
+    return asyncio.run(arun_disaggregated(cfg, out_dir, resume, cost=cost, on_step=on_step,
                                           write_files=write_files))

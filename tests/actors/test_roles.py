@@ -12,7 +12,6 @@ from digenrl.actors import ActorSystem
 from digenrl.actors.coordinator import Coordinator
 from digenrl.config import config_from_dict
 from digenrl.errors import RemoteError, StalenessViolation
-from digenrl.recipes.disagg_config import DisaggSettings
 from digenrl.recipes.disaggregated import start_cluster, tiny_cpu_cost
 from digenrl.recipes.prompts import load_prompts
 
@@ -23,15 +22,16 @@ CONF = {
     "rollout": {"num_steps": 4, "group_size": 2, "prompts_per_batch": 4},
     "train": {"iterations": 1, "lr": 1e-2, "clip_range": 1e-2, "adv_std": "group"},
     "log": {"seed": 3},
+    "schedule": {"name": "gap"},
+    "transport": {"actors": "inproc"},
 }
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def cluster():
     cfg = config_from_dict(CONF)
-    settings = DisaggSettings(schedule="gap", actors="inproc")
     async with ActorSystem(transport="inproc") as system:
-        yield cfg, await start_cluster(system, cfg, settings)
+        yield cfg, await start_cluster(system, cfg)
 
 
 async def _run(cfg, cluster, schedule: str, **options) -> list[dict]:

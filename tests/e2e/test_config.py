@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
 
-from digenrl.config import Config, apply_overrides, config_from_dict, load_config, parse_override
+from digenrl.config import ACTOR_SCHEDULES, Config, apply_overrides, config_from_dict, load_config, parse_override
 from digenrl.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "configs" / "tiny-qwenimage.toml"
+DISAGG = ROOT / "configs" / "tiny-disagg.toml"
 
 
 def test_shipped_config_loads_with_overrides() -> None:
@@ -44,7 +46,11 @@ def test_shipped_config_loads_with_overrides() -> None:
         ("reward.weights={aesthetic=1.0}", r"reward.weights.aesthetic: 'aesthetic' is not allowed"),
         ("reward.weights={remote=1.0}", r"reward.url: must be set when 'remote' is weighted"),
         ("data.prompt_set=imagenet", r"data.prompt_set: 'imagenet' is not allowed; allowed: 'color', 'simple', 'ocr'"),
-        ("schedule.mode=magic", r"schedule.mode: 'magic' is not allowed"),
+        ("schedule.name=magic", r"schedule.name: 'magic' is not allowed; allowed: 'colocated', 'disaggregated'"),
+        ("schedule.mode=colocated", r"schedule.mode: renamed to schedule.name"),
+        ("placement.processes=1", r"placement.processes: removed"),
+        ("transport.kind=inproc", r"transport.kind: removed"),
+        ("placement.rollot=1", r"placement.rollot: unknown key; allowed in \[placement\]: threads, rollout, trainer"),
         ("train.betas=[0.9]", r"train.betas: must be two values"),
         ("rollout.num_steps=2.5", r"rollout.num_steps: must be of type int"),
     ],
@@ -52,6 +58,48 @@ def test_shipped_config_loads_with_overrides() -> None:
 def test_bad_values_name_the_key_and_the_allowed_values(override: str, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         load_config(TINY, override.split(";"))
+
+
+def test_actor_settings_load_with_overrides() -> None:
+    cfg = load_config(DISAGG, ["schedule.name=async1", "schedule.step_chunk=2", "placement.rollout=2"])
+    assert (cfg.schedule.name, cfg.placement.rollout, cfg.placement.trainer, cfg.transport.actors) == ("async1", 2, 1, "zmq")
+    # The override replaces the config's step_chunk; the config's other token sizes stay, unset ones are left out.
+    assert cfg.schedule_options == {"fragment_groups": 4, "step_chunk": 2, "train_pack": 80, "tag_steps": 3}
+    assert cfg.rollout.group_size == 4 and cfg.disaggregated
+    off = load_config(DISAGG, ["schedule.name=colocated", "schedule.step_chunk=0"])
+    assert not off.disaggregated and "step_chunk" not in off.schedule_options
+    assert not load_config(TINY).disaggregated and Config().schedule_options == {}
+    assert ACTOR_SCHEDULES == ("disaggregated", "gap", "tsp", "tag", "async1")
+
+
+@pytest.mark.parametrize(("override", "message"), [
+    ("schedule.step_chunk=-1", r"schedule.step_chunk: must be a positive integer \(0 = the schedule's default\)"),
+    ("schedule.tag_steps=1.5", r"schedule.tag_steps: must be of type int"),
+    ("placement.trainer=0", r"placement.trainer: must be >= 1, got 0"),
+    ("placement.rollout=true", r"placement.rollout: must be of type int"),
+    ("transport.weights=rdma", r"transport.weights: 'rdma' is not allowed; allowed: 'zmq', 'torchdist', 'cuda_ipc'"),
+    ("transport.actors=inproc;transport.weights=torchdist", r"transport.weights: must be 'zmq' .* transport.actors = 'inproc'"),
+    ("transport.bucket_mb=0", r"transport.bucket_mb: must be > 0"),
+    ("log.keep_checkpoints=0", r"log.keep_checkpoints: must be >= 1"),
+    ("log.trace=1", r"log.trace: must be of type bool"),
+    ("placement.workers=1", r"placement.workers = 1: one actor per joined worker needs at least 2"),
+    ("placement.workers=2", r"needs transport.actors = 'zmq' and transport.address = 'tcp://"),
+    ("schedule.name=gap;placement.rollout=0", r"placement.rollout = 0 needs a schedule with TAG \(tag, async1\), not 'gap'"),
+])
+def test_bad_actor_settings_name_their_key(override: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        load_config(DISAGG, override.split(";"))
+    # Trainers generate everything when there is no rollout actor (TAG).
+    assert load_config(DISAGG, ["placement.rollout=0"]).placement.rollout == 0
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "configs").glob("*.toml")), ids=lambda p: p.name)
+def test_configs_round_trip_through_their_json(path: Path) -> None:
+    """``config.json`` (what a run directory keeps) rebuilds the same Config, token sizes included."""
+    cfg = load_config(path, ["schedule.fragment_members=3"])
+    again = config_from_dict(json.loads(json.dumps(cfg.to_dict())))
+    assert again == cfg and again.schedule_options == cfg.schedule_options
+    assert again.schedule_options["fragment_members"] == 3
 
 
 def test_override_parsing() -> None:

@@ -13,8 +13,8 @@ import psutil
 import pytest
 
 from digenrl.actors.coordinator import RunStopped
+from digenrl.config import Config, load_config
 from digenrl.recipes.checkpoint import find_checkpoint, load_state
-from digenrl.recipes.disagg_config import load_disagg_config
 from digenrl.recipes.disaggregated import arun_disaggregated
 from digenrl.recipes.observe import METRIC_KEYS
 
@@ -22,8 +22,8 @@ CONFIG = Path(__file__).resolve().parents[2] / "configs" / "tiny-disagg.toml"
 ROWS = 8 * 4 * 5  # prompts x group x trained steps of one logical batch
 
 
-def _load(*overrides: str):
-    return load_disagg_config(CONFIG, list(overrides))
+def _load(*overrides: str) -> Config:
+    return load_config(CONFIG, list(overrides))
 
 
 def _pid_of(title: str) -> int | None:
@@ -38,14 +38,14 @@ def _lines(out: Path) -> list[dict]:
 
 
 async def test_short_run_over_processes_writes_every_artifact(tmp_path: Path) -> None:
-    cfg, settings = _load("train.iterations=3", "log.image_every=2", "log.checkpoint_every=1")
+    cfg = _load("train.iterations=3", "log.image_every=2", "log.checkpoint_every=1")
     titles: dict[str, int | None] = {}
 
     def on_step(m: dict) -> None:
         for role in ("digenrl-rollout-0", "digenrl-trainer-0"):
             titles[role] = titles.get(role) or _pid_of(role)
 
-    history = await arun_disaggregated(cfg, tmp_path, settings=settings, on_step=on_step)
+    history = await arun_disaggregated(cfg, tmp_path, on_step=on_step)
     assert all(titles.values()) and len(set(titles.values())) == 2 and os.getpid() not in titles.values()
     lines = _lines(tmp_path)
     assert [m["step"] for m in lines] == [0, 1, 2] == [m["step"] for m in history]
@@ -67,7 +67,7 @@ async def test_short_run_over_processes_writes_every_artifact(tmp_path: Path) ->
 
 
 async def test_killed_rollout_actor_its_work_is_reissued_and_nothing_is_lost(tmp_path: Path) -> None:
-    cfg, settings = _load("train.iterations=3", "log.image_every=0", "log.checkpoint_every=0")
+    cfg = _load("train.iterations=3", "log.image_every=0", "log.checkpoint_every=0")
     killed: list[int] = []
 
     def on_step(m: dict) -> None:
@@ -78,7 +78,7 @@ async def test_killed_rollout_actor_its_work_is_reissued_and_nothing_is_lost(tmp
             asyncio.get_running_loop().call_later(0.4, os.kill, pid, signal.SIGKILL)
             killed.append(pid)
 
-    history = await arun_disaggregated(cfg, tmp_path, settings=settings, on_step=on_step)
+    history = await arun_disaggregated(cfg, tmp_path, on_step=on_step)
     assert killed, "the rollout actor was never killed"
     assert not psutil.pid_exists(killed[0]) or psutil.Process(killed[0]).status() == psutil.STATUS_ZOMBIE
     assert [m["step"] for m in history] == [0, 1, 2]
@@ -95,12 +95,12 @@ async def test_killed_rollout_actor_its_work_is_reissued_and_nothing_is_lost(tmp
 async def test_resume_continues_exactly_like_an_uninterrupted_run(tmp_path: Path) -> None:
     common = ("transport.actors=inproc", "schedule.name=disaggregated", "rollout.prompts_per_batch=4",
               "rollout.num_steps=4", "log.image_every=0", "log.checkpoint_every=1")
-    cfg3, settings = _load("train.iterations=3", *common)
-    cfg2, _ = _load("train.iterations=2", *common)
-    whole = await arun_disaggregated(cfg3, tmp_path / "whole", settings=settings)
-    await arun_disaggregated(cfg2, tmp_path / "cut", settings=settings)
+    cfg3 = _load("train.iterations=3", *common)
+    cfg2 = _load("train.iterations=2", *common)
+    whole = await arun_disaggregated(cfg3, tmp_path / "whole")
+    await arun_disaggregated(cfg2, tmp_path / "cut")
     assert load_state(find_checkpoint(tmp_path / "cut"))["version"] == 2
-    resumed = await arun_disaggregated(cfg3, tmp_path / "cut", resume=tmp_path / "cut", settings=settings)
+    resumed = await arun_disaggregated(cfg3, tmp_path / "cut", resume=tmp_path / "cut")
     assert [m["step"] for m in resumed] == [0, 1, 2] == [m["step"] for m in _lines(tmp_path / "cut")]
     keys = ("reward_mean", "reward_std", "clipfrac", "approx_kl", "kl", "zero_std_ratio", "grad_norm", "policy_loss")
     for a, b in zip(whole, resumed, strict=True):
@@ -110,7 +110,7 @@ async def test_resume_continues_exactly_like_an_uninterrupted_run(tmp_path: Path
 
 @pytest.mark.slow
 async def test_killed_trainer_stops_cleanly_and_the_run_resumes(tmp_path: Path) -> None:
-    cfg, settings = _load("train.iterations=3", "log.image_every=0", "log.checkpoint_every=1")
+    cfg = _load("train.iterations=3", "log.image_every=0", "log.checkpoint_every=1")
 
     def on_step(m: dict) -> None:
         if m["step"] == 1:
@@ -118,17 +118,17 @@ async def test_killed_trainer_stops_cleanly_and_the_run_resumes(tmp_path: Path) 
             asyncio.get_running_loop().call_later(0.3, os.kill, pid, signal.SIGKILL)
 
     with pytest.raises(RunStopped, match="trainer trainer-0 died.*resume with --resume"):
-        await arun_disaggregated(cfg, tmp_path, settings=settings, on_step=on_step)
+        await arun_disaggregated(cfg, tmp_path, on_step=on_step)
     ckpt = find_checkpoint(tmp_path)
     assert ckpt.name == "step-000002" and load_state(ckpt)["version"] == 2
-    history = await arun_disaggregated(cfg, tmp_path, resume=tmp_path, settings=settings)
+    history = await arun_disaggregated(cfg, tmp_path, resume=tmp_path)
     assert [m["step"] for m in history] == [0, 1, 2]
 
 
 @pytest.mark.slow
 async def test_weights_over_torch_distributed_gloo(tmp_path: Path) -> None:
-    cfg, settings = _load("train.iterations=2", "transport.weights=torchdist", "log.image_every=0")
-    history = await arun_disaggregated(cfg, tmp_path, settings=settings)
+    cfg = _load("train.iterations=2", "transport.weights=torchdist", "log.image_every=0")
+    history = await arun_disaggregated(cfg, tmp_path)
     assert [m["rows_trained"] for m in history] == [ROWS, ROWS]
 
 
@@ -143,13 +143,13 @@ async def test_actors_placed_on_joined_workers(tmp_path: Path) -> None:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     address = f"tcp://127.0.0.1:{port}"
-    cfg, settings = _load("train.iterations=2", "log.image_every=0", "placement.workers=2",
+    cfg = _load("train.iterations=2", "log.image_every=0", "placement.workers=2",
                           f"transport.address={address}")
     exe = Path(sys.executable).with_name("digenrl")
     procs = [subprocess.Popen([str(exe), "worker", "--join", address, "--name", f"gpu{i}", "--log-level", "WARNING"])
              for i in range(2)]
     try:
-        history = await arun_disaggregated(cfg, tmp_path, settings=settings)
+        history = await arun_disaggregated(cfg, tmp_path)
         assert [m["rows_trained"] for m in history] == [ROWS, ROWS]
         assert [p.wait(timeout=30) for p in procs] == [0, 0]  # the workers leave when the system shuts down
     finally:
