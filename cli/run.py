@@ -106,8 +106,8 @@ def validate(
 
 def register(app: typer.Typer) -> None:
     """Add `run` and `validate` to `app`."""
-    epilog = ("Examples: digenrl run configs/tiny-qwenimage.toml --set train.iterations=60 --out runs/color\n\n"
-              "digenrl run configs/tiny-disagg.toml --set schedule.name=async1 --out runs/async1\n\n"
-              "digenrl run configs/tiny-disagg.toml --resume runs/async1")
+    epilog = ("Examples: digenrl run configs/tiny-qwenimage.toml --out runs/color\n\n"
+              "digenrl run configs/tiny-qwenimage.toml --set schedule.name=colocated --out runs/colocated\n\n"
+              "digenrl run configs/tiny-qwenimage.toml --resume runs/color")
     app.command("run", epilog=epilog)(run)
     app.command("validate", epilog="Example: digenrl validate configs/tiny-qwenimage.toml --set train.lr=1e-3")(validate)

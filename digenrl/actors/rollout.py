@@ -36,11 +36,11 @@ from digenrl.errors import ActorDied, RemoteError, StalenessViolation
 from digenrl.models import GeneratorModel, cat_cond, load_model, repeat_cond
 from digenrl.models._toy import toy_signal_init
 from digenrl.models.lora import apply_lora, enable_full_finetune
+from digenrl.rl.noise import initial_keys, initial_latents, transition_noise
 from digenrl.rl.sde import sde_step
 from digenrl.rl.steps import plan_steps
 
-__all__ = ["FragmentData", "FragmentEngine", "RolloutActor", "build_model", "trained_steps", "fragment_seed",
-           "limit_threads"]
+__all__ = ["FragmentData", "FragmentEngine", "RolloutActor", "build_model", "trained_steps", "limit_threads"]
 
 log = logging.getLogger(__name__)
 
@@ -98,11 +98,6 @@ def trained_steps(cfg: Config) -> int:
     return ro.num_steps - 1
 
 
-def fragment_seed(seed: int, batch: int, index: int) -> int:
-    """Seed of a fragment's initial and transition noise (independent of where it runs)."""
-    return (seed * 1_000_003 + batch * 7_919 + index * 104_729 + 17) & 0x7FFF_FFFF_FFFF
-
-
 @dataclass
 class FragmentData:
     """One fragment's state on its holder. ``geo`` = ``[batch, index, p0, p1, m0, m1, group_size]``."""
@@ -111,7 +106,6 @@ class FragmentData:
     version: int
     step: int
     x: torch.Tensor
-    gen: torch.Generator
     cond: dict[str, torch.Tensor]
     trans: list[dict[str, torch.Tensor]] = field(default_factory=list)
     rewards: torch.Tensor | None = None
@@ -143,18 +137,14 @@ class FragmentData:
                                "cond": self.cond, "trans": self.transitions()}
         if with_latents:
             out["x"] = self.x
-            out["gen"] = self.gen.get_state()
         if self.rewards is not None:
             out["rewards"] = self.rewards
         return out
 
     @classmethod
     def from_wire(cls, d: dict[str, Any]) -> FragmentData:
-        gen = torch.Generator()
-        if "gen" in d:
-            gen.set_state(d["gen"])
         trans = [d["trans"]] if d.get("trans") else []
-        return cls(list(d["geo"]), int(d["version"]), int(d["step"]), d.get("x", torch.zeros(0)), gen,
+        return cls(list(d["geo"]), int(d["version"]), int(d["step"]), d.get("x", torch.zeros(0)),
                    dict(d["cond"]), trans, d.get("rewards"))
 
 
@@ -180,18 +170,12 @@ class FragmentEngine:
         return self._cond_cache[key]
 
     def fresh(self, geo: list[int], version: int, prompts: list[str]) -> FragmentData:
-        """A fragment at step 0: seeded initial noise and transition-noise generator."""
-        b, f, p0, p1, m0, m1, _ = geo
-        gen = torch.Generator().manual_seed(fragment_seed(self.cfg.log.seed, b, f))
-        n = (p1 - p0) * (m1 - m0)
-        if getattr(self.cfg.rollout, "same_init_noise", False):
-            # Members of a group share x_0, seeded per prompt: the same whichever fragments split the group.
-            x = torch.cat([self.model.prepare_latents(1, generator=torch.Generator().manual_seed(
-                fragment_seed(self.cfg.log.seed, b, -1 - p))) for p in range(p0, p1)]).repeat_interleave(m1 - m0, dim=0)
-        else:
-            x = self.model.prepare_latents(n, generator=gen)
-        cond = repeat_cond(self._cond(prompts[p0:p1]), m1 - m0)
-        return FragmentData(list(geo), version, 0, x.float(), gen, cond)
+        """A fragment at step 0: its samples' initial latents (per-sample seeds, :mod:`digenrl.rl.noise`)."""
+        b, _, p0, p1, m0, m1, g = geo
+        frag = FragmentData(list(geo), version, 0, torch.zeros(0), repeat_cond(self._cond(prompts[p0:p1]), m1 - m0))
+        keys = initial_keys(frag.sample_ids(), g, self.cfg.rollout.same_init_noise)
+        frag.x = initial_latents(self.model, self.cfg.log.seed, b, keys)
+        return frag
 
     def _plan(self, frag: FragmentData) -> Any:
         ro = self.cfg.rollout
@@ -215,7 +199,8 @@ class FragmentEngine:
             for frag, plan, xs, vs, ss, sn in zip(frags, plans, x.split(sizes), v.split(sizes), sig.split(sizes),
                                                    sig_next.split(sizes), strict=True):
                 a = plan.stochastic[:, i].float() * ro.noise_level
-                out = sde_step(xs, vs, ss, sn, a, kind=ro.sde, generator=frag.gen)  # type: ignore[arg-type]
+                z = transition_noise(self.cfg.log.seed, frag.geo[0], frag.sample_ids(), i, xs)
+                out = sde_step(xs, vs, ss, sn, a, z, kind=ro.sde)  # type: ignore[arg-type]
                 idx = plan.trained[:, i].nonzero().flatten()
                 if idx.numel():
                     frag.trans.append({"sample": idx, "step": torch.full_like(idx, i), "x": xs[idx],

@@ -44,7 +44,7 @@ log = logging.getLogger(__name__)
 
 __all__ = ["MeasuredCost", "run_real_bubbles", "REAL_DEFAULT_SCHEDULES", "DEFAULT_CONFIG"]
 
-DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "tiny-disagg.toml"
+DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "tiny-qwenimage.toml"
 REAL_DEFAULT_SCHEDULES = ("colocated", "disaggregated", "tag", "async1", "async1+reward")
 
 
@@ -189,7 +189,7 @@ def run_real_bubbles(schedules: list[str] | None = None, num_batches: int = 8, o
         out: where to write ``bubbles.json``, per-run directories ``real-<schedule>/`` (metrics,
             trace, Gantt; ``-r<k>`` for later rounds) and ``gantt-real.png``; ``None`` writes only what
             the runs need in a temp dir.
-        config: the run config (default ``configs/tiny-disagg.toml``).
+        config: the run config (default ``configs/tiny-qwenimage.toml``).
         overrides: extra ``--set`` style overrides.
         repeats: rounds over all schedules, interleaved (round 1 runs every schedule, then round 2...),
             so a burst of other load on a shared machine hits one run of each, not one schedule's

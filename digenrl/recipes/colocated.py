@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import logging
-import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -28,6 +27,7 @@ from typing import Any
 import torch
 
 from digenrl.config import Config
+from digenrl.actors.coordinator import batch_prompts as coordinator_batch_prompts
 from digenrl.actors.rollout import build_model
 from digenrl.models import GeneratorModel, repeat_cond
 from digenrl.models.lora import reference, save_trainable
@@ -36,6 +36,7 @@ from digenrl.rewards import build_reward
 from digenrl.rewards.base import GuardedReward
 from digenrl.rl.advantages import group_advantages
 from digenrl.rl.loss import LossConfig, reduce_stats
+from digenrl.rl.noise import initial_keys, initial_latents, transition_noise
 from digenrl.rl.rollout import TransitionBatch, rollout_steps
 from digenrl.rl.steps import plan_steps
 from digenrl.rl.tsp import packed_backward
@@ -57,7 +58,6 @@ class ColocatedRun:
     prompts: list[str]
     sigmas: torch.Tensor
     loss_cfg: LossConfig
-    rng: random.Random
 
 
 def default_out_dir() -> Path:
@@ -87,15 +87,7 @@ def setup(cfg: Config) -> ColocatedRun:
         prompts=prompts,
         sigmas=model.sigmas(cfg.rollout.num_steps),
         loss_cfg=LossConfig(clip_range=t.clip_range, kl_beta=t.kl_beta, kl_kind=t.kl),  # type: ignore[arg-type]
-        rng=random.Random(cfg.log.seed),
     )
-
-
-def _sample_prompts(run: ColocatedRun) -> list[str]:
-    p = run.cfg.rollout.prompts_per_batch
-    if p <= len(run.prompts):
-        return run.rng.sample(run.prompts, p)
-    return [run.rng.choice(run.prompts) for _ in range(p)]
 
 
 def _ref_velocity(model: GeneratorModel) -> Callable[..., torch.Tensor]:
@@ -111,21 +103,22 @@ def iteration(run: ColocatedRun, it: int) -> tuple[dict[str, float], torch.Tenso
     cfg, model = run.cfg, run.model
     ro, tr = cfg.rollout, cfg.train
     t0 = time.perf_counter()
-    batch_prompts = _sample_prompts(run)
+    # The dataset position is the iteration: the same prompts as the disaggregated coordinator's batch.
+    batch_prompts = coordinator_batch_prompts(run.prompts, cfg.log.seed, it, ro.prompts_per_batch)
     g = ro.group_size
     prompts = [p for p in batch_prompts for _ in range(g)]
     groups = torch.arange(len(batch_prompts)).repeat_interleave(g)
     cond = repeat_cond(model.encode_prompts(batch_prompts), g)
     seed = cfg.log.seed * 1_000_003 + it
     gen = torch.Generator().manual_seed(seed)
-    if ro.same_init_noise:
-        x0 = model.prepare_latents(len(batch_prompts), generator=gen).repeat_interleave(g, dim=0)
-    else:
-        x0 = model.prepare_latents(len(prompts), generator=gen)
+    # Per-sample noise (digenrl/rl/noise.py): the same samples as an on-policy disaggregated run.
+    sids = list(range(len(prompts)))
+    x0 = initial_latents(model, cfg.log.seed, it, initial_keys(sids, g, ro.same_init_noise))
     plan = plan_steps(ro.num_steps, groups, mode=ro.steps, window=ro.window,
-                       window_range=ro.window_bounds(), fraction=ro.fraction, seed=seed)  # type: ignore[arg-type]
-    res = rollout_steps(model.velocity, x0, cond, run.sigmas, plan, 0, ro.num_steps,
-                        noise_level=ro.noise_level, kind=ro.sde, generator=gen, policy_version=it)  # type: ignore[arg-type]
+                      window_range=ro.window_bounds(), fraction=ro.fraction, seed=seed)  # type: ignore[arg-type]
+    res = rollout_steps(model.velocity, x0, cond, run.sigmas, plan, 0, ro.num_steps, noise_level=ro.noise_level,
+                        kind=ro.sde, noise=lambda i: transition_noise(cfg.log.seed, it, sids, i, x0),  # type: ignore[arg-type]
+                        policy_version=it)
     t1 = time.perf_counter()
     images = model.decode(res.x)
     t2 = time.perf_counter()

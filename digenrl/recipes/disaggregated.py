@@ -2,8 +2,8 @@
 
 ::
 
-    run_disaggregated(load_config("configs/tiny-disagg.toml"), "runs/x")     # or from the CLI:
-    digenrl run configs/tiny-disagg.toml --set schedule.name=async1
+    run_disaggregated(load_config("configs/tiny-qwenimage.toml"), "runs/x")     # or from the CLI:
+    digenrl run configs/tiny-qwenimage.toml --set schedule.name=async1
 
 Setup (torchtune-style, everything built before the first token): spawn the trainers, rollout and
 reward actors (one process each, titled ``digenrl-<role>-<i>``; ``transport.actors = "inproc"`` keeps

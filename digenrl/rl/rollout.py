@@ -9,6 +9,7 @@ step index and sigmas travel with the data, never in a scheduler's counter.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Protocol
 
@@ -125,6 +126,7 @@ def rollout_steps(
     noise_level: float,
     kind: SdeKind = "sde",
     generator: torch.Generator | None = None,
+    noise: Callable[[int], torch.Tensor] | None = None,
     policy_version: int = 0,
 ) -> RolloutResult:
     """Advance ``x`` (all at step ``start``) through steps ``[start, stop)``.
@@ -139,7 +141,9 @@ def rollout_steps(
         stop: one past the last step index to run.
         noise_level: ``a`` for stochastic steps.
         kind: SDE kind.
-        generator: RNG for the transition noise.
+        generator: RNG for the transition noise (when ``noise`` is None).
+        noise: ``noise(i)`` gives step ``i``'s standard normal noise ``[B, ...]`` (per-sample streams,
+            :mod:`digenrl.rl.noise`); it takes precedence over ``generator``.
         policy_version: the weights version, recorded with the transitions.
 
     Returns:
@@ -161,7 +165,7 @@ def rollout_steps(
         sig_next = sigmas[i + 1].float().expand(b)
         a_row = plan.stochastic[:, i].float() * noise_level
         v = velocity(x, sig, cond)
-        out = sde_step(x, v, sig, sig_next, a_row, kind=kind, generator=generator)
+        out = sde_step(x, v, sig, sig_next, a_row, None if noise is None else noise(i), kind=kind, generator=generator)
         idx = plan.trained[:, i].nonzero().flatten()
         if idx.numel():
             if out.log_prob is None or bool(out.log_prob[idx].isnan().any()):

@@ -31,7 +31,10 @@ CONF = {
 async def cluster():
     cfg = config_from_dict(CONF)
     async with ActorSystem(transport="inproc") as system:
-        yield cfg, await start_cluster(system, cfg)
+        c = await start_cluster(system, cfg)
+        with tempfile.TemporaryDirectory() as initial:  # the untrained weights, for tests that start over
+            await c.refs["trainer-0"].save_state.call(initial)
+            yield cfg, c, initial
 
 
 async def _run(cfg, cluster, schedule: str, **options) -> list[dict]:
@@ -42,7 +45,7 @@ async def _run(cfg, cluster, schedule: str, **options) -> list[dict]:
 
 async def test_gap_streaming_equals_the_full_batch_barrier(cluster) -> None:
     """GAP trains a batch in several tokens; the update equals the one-token (barrier) path."""
-    cfg, c = cluster
+    cfg, c, _ = cluster
     trainer = c.refs["trainer-0"]
     with tempfile.TemporaryDirectory() as d:
         await trainer.save_state.call(d)
@@ -61,7 +64,7 @@ async def test_gap_streaming_equals_the_full_batch_barrier(cluster) -> None:
 
 async def test_rollout_samples_with_the_published_weights(cluster) -> None:
     """After publish, the rollout actor's loaded weights and velocity equal the trainer's, not the old ones."""
-    cfg, c = cluster
+    cfg, c, _ = cluster
     trainer, rollout = c.refs["trainer-0"], c.refs["rollout-0"]
     info = await trainer.weights_info.call()
     assert info["version"] == 1  # the previous test stepped once
@@ -78,7 +81,7 @@ async def test_rollout_samples_with_the_published_weights(cluster) -> None:
 
 
 async def test_trainer_refuses_samples_older_than_the_staleness_bound(cluster) -> None:
-    cfg, c = cluster
+    cfg, c, _ = cluster
     rollout, trainer = c.refs["rollout-0"], c.refs["trainer-0"]
     token = {"id": 0, "kind": "rollout", "batch": 5, "version": 1, "start": 0, "end": 4,
              "frags": [[0, 0, 1, 0, 2, 2]], "rows": [], "sources": [""], "helper": False, "packed": True}
@@ -87,3 +90,23 @@ async def test_trainer_refuses_samples_older_than_the_staleness_bound(cluster) -
     train = {**token, "kind": "train", "rows": [[0, 6]], "sources": []}
     with pytest.raises((RemoteError, StalenessViolation), match="staleness 4 > 0"):
         await trainer.train.call(train, [{"adv": [0.5, -0.5], "keep": [True, True], "store": "trainer-0"}])
+
+
+async def test_colocated_loop_and_actors_train_the_same_samples(cluster) -> None:
+    """Noise belongs to samples (digenrl/rl/noise.py): the single-process loop and on-policy actors cutting
+    the batch into 8 one-sample fragments generate the same samples and take the same optimizer step."""
+    from digenrl.actors.rollout import FragmentEngine, probe_velocity
+    from digenrl.recipes.colocated import iteration, setup
+
+    cfg, c, initial = cluster
+    trainer = c.refs["trainer-0"]
+    await trainer.load_state.call(initial, 0)
+    actors = (await _run(cfg, c, "gap", fragment_groups=1, fragment_members=1))[0]
+    run = setup(cfg)
+    local, _, _ = iteration(run, 0)
+    assert local["reward_mean"] == pytest.approx(actors["reward_mean"], abs=1e-6)
+    assert local["reward_std"] == pytest.approx(actors["reward_std"], abs=1e-6)
+    assert local["grad_norm"] > 0
+    assert local["grad_norm"] == pytest.approx(actors["grad_norm"], rel=1e-4)
+    stepped = probe_velocity(FragmentEngine(cfg, run.model), 0)
+    torch.testing.assert_close(await trainer.probe_velocity.call(), stepped, atol=1e-5, rtol=1e-4)

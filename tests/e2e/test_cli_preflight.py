@@ -28,7 +28,7 @@ def test_missing_weights_directory_is_named(config: str, tmp_path) -> None:
     assert "model.path" in result.output and str(missing) in result.output
 
 
-@pytest.mark.parametrize("config", [*REAL_CONFIGS, "configs/tiny-qwenimage.toml", "configs/tiny-disagg.toml"])
+@pytest.mark.parametrize("config", [*REAL_CONFIGS, "configs/tiny-qwenimage.toml"])
 def test_every_shipped_config_validates(config: str) -> None:
     result = CliRunner().invoke(app, ["validate", config])
     assert result.exit_code == 0, result.output
@@ -36,6 +36,6 @@ def test_every_shipped_config_validates(config: str) -> None:
 
 
 def test_resume_with_the_colocated_loop_is_refused() -> None:
-    result = CliRunner().invoke(app, ["run", "configs/tiny-qwenimage.toml", "--resume", "runs/x"])
+    result = CliRunner().invoke(app, ["run", "configs/tiny-qwenimage.toml", "--set", "schedule.name=colocated", "--resume", "runs/x"])
     assert result.exit_code == 2
     assert "--resume needs an actor schedule" in result.output

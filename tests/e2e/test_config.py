@@ -13,7 +13,6 @@ from digenrl.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "configs" / "tiny-qwenimage.toml"
-DISAGG = ROOT / "configs" / "tiny-disagg.toml"
 
 
 def test_shipped_config_loads_with_overrides() -> None:
@@ -39,7 +38,7 @@ def test_shipped_config_loads_with_overrides() -> None:
         ("rollout.sde=ode", r"rollout.sde: 'ode' is not allowed; allowed: 'sde', 'wan', 'dance', 'cps'"),
         ("rollout.group_size=1", r"rollout.group_size: must be >= 2"),
         ("rollout.window=99", r"rollout.window: must be in 1\.\.5"),
-        ("rollout.window_range=[3,4]", r"rollout.window_range: must be \[\] or \[lo, hi\] with 0 <= lo <= hi <= 3"),
+        ("rollout.window_range=[4,5]", r"rollout.window_range: must be \[\] or \[lo, hi\] with 0 <= lo <= hi <= 4"),
         ("model.name=sd3", r"model.name: 'sd3' is not allowed; allowed: 'qwenimage', 'flux'"),
         ("model.preset=pretrained", r"model.vae_init: must be 'default' for pretrained weights"),
         ("model.preset=pretrained;model.vae_init=default", r"model.path: must be set for preset 'pretrained'"),
@@ -61,14 +60,14 @@ def test_bad_values_name_the_key_and_the_allowed_values(override: str, message: 
 
 
 def test_actor_settings_load_with_overrides() -> None:
-    cfg = load_config(DISAGG, ["schedule.name=async1", "schedule.step_chunk=2", "placement.rollout=2"])
+    cfg = load_config(TINY, ["schedule.name=async1", "schedule.step_chunk=2", "placement.rollout=2"])
     assert (cfg.schedule.name, cfg.placement.rollout, cfg.placement.trainer, cfg.transport.actors) == ("async1", 2, 1, "zmq")
     # The override replaces the config's step_chunk; the config's other token sizes stay, unset ones are left out.
-    assert cfg.schedule_options == {"fragment_groups": 4, "step_chunk": 2, "train_pack": 80, "tag_steps": 3}
-    assert cfg.rollout.group_size == 4 and cfg.disaggregated
-    off = load_config(DISAGG, ["schedule.name=colocated", "schedule.step_chunk=0"])
+    assert cfg.schedule_options == {"fragment_groups": 4, "step_chunk": 2, "train_pack": 32, "tag_steps": 3}
+    assert cfg.rollout.group_size == 8 and cfg.disaggregated
+    off = load_config(TINY, ["schedule.name=colocated", "schedule.step_chunk=0"])
     assert not off.disaggregated and "step_chunk" not in off.schedule_options
-    assert not load_config(TINY).disaggregated and Config().schedule_options == {}
+    assert load_config(TINY).disaggregated and not Config().disaggregated and Config().schedule_options == {}
     assert ACTOR_SCHEDULES == ("disaggregated", "gap", "tsp", "tag", "async1")
 
 
@@ -88,9 +87,9 @@ def test_actor_settings_load_with_overrides() -> None:
 ])
 def test_bad_actor_settings_name_their_key(override: str, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
-        load_config(DISAGG, override.split(";"))
+        load_config(TINY, override.split(";"))
     # Trainers generate everything when there is no rollout actor (TAG).
-    assert load_config(DISAGG, ["placement.rollout=0"]).placement.rollout == 0
+    assert load_config(TINY, ["placement.rollout=0"]).placement.rollout == 0
 
 
 @pytest.mark.parametrize("path", sorted((ROOT / "configs").glob("*.toml")), ids=lambda p: p.name)

@@ -18,12 +18,13 @@ from digenrl.recipes.checkpoint import find_checkpoint, load_state
 from digenrl.recipes.disaggregated import arun_disaggregated
 from digenrl.recipes.observe import METRIC_KEYS
 
-CONFIG = Path(__file__).resolve().parents[2] / "configs" / "tiny-disagg.toml"
-ROWS = 8 * 4 * 5  # prompts x group x trained steps of one logical batch
+CONFIG = Path(__file__).resolve().parents[2] / "configs" / "tiny-qwenimage.toml"
+ROWS = 8 * 8 * 1  # prompts x group x trained steps (a one-step window) of one logical batch
 
 
 def _load(*overrides: str) -> Config:
-    return load_config(CONFIG, list(overrides))
+    # The shipped default with TAG on-policy (staleness 0), which these tests assert on.
+    return load_config(CONFIG, ["schedule.name=tag", *overrides])
 
 
 def _pid_of(title: str) -> int | None:

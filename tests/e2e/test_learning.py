@@ -20,7 +20,7 @@ def test_run_command_writes_metrics_grids_and_weights(tmp_path: Path) -> None:
     from digenrl_cli.main import app
 
     out = tmp_path / "run"
-    args = ["run", str(TINY), "--out", str(out), "--set", "train.iterations=2", "--set", "rollout.prompts_per_batch=2",
+    args = ["run", str(TINY), "--out", str(out), "--set", "schedule.name=colocated", "--set", "train.iterations=2", "--set", "rollout.prompts_per_batch=2",
             "--set", "rollout.group_size=2", "--set", "rollout.num_steps=3", "--set", "log.image_every=1",
             "--set", "placement.threads=1", "--set", "train.kl_beta=0.01"]
     res = CliRunner().invoke(app, args)
@@ -30,7 +30,7 @@ def test_run_command_writes_metrics_grids_and_weights(tmp_path: Path) -> None:
     for key in ("reward_mean", "reward_std", "clipfrac", "approx_kl", "kl", "zero_std_ratio", "grad_norm", "seconds"):
         assert all(key in m for m in lines), key
     assert lines[0]["kl"] == 0.0 and lines[0]["approx_kl"] < 1e-10  # on policy, LoRA B = 0
-    assert lines[0]["rows"] == 2 * 2 * 2  # 4 samples x (3 steps - last)
+    assert lines[0]["rows"] == 2 * 2 * 1  # 4 samples x a one-step window
     assert (out / "samples" / "iter_00000.png").is_file() and (out / "samples" / "iter_00001.png").is_file()
     assert (out / "trainable.safetensors").is_file()
     assert json.loads((out / "config.json").read_text())["train"]["iterations"] == 2
