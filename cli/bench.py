@@ -23,7 +23,7 @@ _EPILOG = """Examples:
 
   digenrl bench bubbles --list
 
-  digenrl bench bubbles --real --batches 8 --repeats 3 --out runs/real   # the tiny model, for real, on this machine
+  digenrl bench bubbles --real --batches 20 --repeats 3 --out runs/real  # the tiny model, for real, on this machine
 """
 
 
@@ -37,11 +37,13 @@ def bubbles(
     real: bool = typer.Option(False, "--real", help="Run the tiny model for real here (colocated vs actors) "
                               "beside the calibrated simulator's prediction."),
     repeats: int = typer.Option(1, "--repeats", min=1, help="--real: interleaved rounds; rows report the median run."),
+    config: Path = typer.Option(None, "--config", help="--real: the run config (default configs/tiny-qwenimage.toml)."),
+    set_: list[str] = typer.Option(None, "--set", help="--real: override a config value, e.g. rollout.prompts_per_batch=8."),
 ) -> None:
     """Simulate scenarios x schedules (or, with --real, measure them on this machine): samples/s, speedup,
     bubble ratios, staleness, sync share."""
     if real:
-        _real(schedule or None, batches, out, repeats)
+        _real(schedule or None, batches, out, repeats, config, set_ or [])
         return
     from rich.console import Console
     from rich.table import Table
@@ -89,16 +91,18 @@ def bubbles(
         console.print(f"wrote {path} and {len(report.files) - 1} trace/Gantt files")
 
 
-def _real(schedules: list[str] | None, batches: int, out: Path | None, repeats: int) -> None:
+def _real(schedules: list[str] | None, batches: int, out: Path | None, repeats: int, config: Path | None,
+          overrides: list[str]) -> None:
     from rich.console import Console
     from rich.table import Table
 
     from digenrl.errors import ConfigError
-    from digenrl.recipes.bench_real import run_real_bubbles
+    from digenrl.recipes.bench_real import DEFAULT_CONFIG, run_real_bubbles
 
     console = Console(width=max(Console().width, 150))
     try:
-        report = run_real_bubbles(schedules, batches, out, repeats=repeats)
+        report = run_real_bubbles(schedules, batches, out, config=config or DEFAULT_CONFIG, overrides=overrides,
+                                  repeats=repeats)
     except ConfigError as exc:
         console.print(f"[red]error:[/red] {exc}")
         raise typer.Exit(2) from exc

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -40,11 +42,32 @@ def run(
 ) -> None:
     """Train with Flow-GRPO as the config says: `[schedule] name` picks the single-process colocated
     loop or the disaggregated actors (disaggregated, gap, tsp, tag, async1)."""
+    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    with _runtime_logs(verbose):
+        _run(config, set_, out, resume)
+
+
+@contextlib.contextmanager
+def _runtime_logs(verbose: bool) -> Iterator[None]:
+    """The runtime's start/shutdown chatter (here and in the actor processes, which inherit the level)
+    only with -v; restored afterwards so an in-process caller keeps its own levels."""
+    loggers = [logging.getLogger(name) for name in ("digenrl.actors", "digenrl.transport")]
+    saved = [lg.level for lg in loggers]
+    if not verbose:
+        for lg in loggers:
+            lg.setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        for lg, level in zip(loggers, saved, strict=True):
+            lg.setLevel(level)
+
+
+def _run(config: Path, set_: list[str] | None, out: Path | None, resume: Path | None) -> None:
     from rich.console import Console
 
     from digenrl.recipes.colocated import default_out_dir, summarize
 
-    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     cfg = _load(config, set_)
     out_dir = out or (Path(cfg.log.out) if cfg.log.out else default_out_dir())
     # Wide enough for the per-iteration metrics even when stderr is not a terminal (logs, CI).

@@ -54,7 +54,11 @@ class RunStopped(DigenrlError):
 def batch_prompts(prompts: list[str], seed: int, batch: int, count: int) -> list[str]:
     """The prompts of logical batch ``batch``: a pure function, so resuming needs only the batch index."""
     rng = random.Random(seed * 1_000_003 + batch)
-    return rng.sample(prompts, count) if count <= len(prompts) else [rng.choice(prompts) for _ in range(count)]
+    if count <= len(prompts):
+        return rng.sample(prompts, count)
+    # More prompts than the pool: whole shuffled passes, so every prompt appears equally often.
+    passes = [p for _ in range(-(-count // len(prompts))) for p in rng.sample(prompts, len(prompts))]
+    return passes[:count]
 
 
 @dataclass

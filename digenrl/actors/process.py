@@ -80,7 +80,8 @@ class ChildProcess:
         Raises:
             OSError: the interpreter could not be started.
         """
-        level = logging.getLevelName(logging.getLogger("digenrl").getEffectiveLevel())
+        # Children run the runtime: they log at this driver's runtime level.
+        level = logging.getLevelName(logging.getLogger("digenrl.actors").getEffectiveLevel())
         argv = [sys.executable, "-m", "digenrl.actors._child", *args, "--parent-pid", str(os.getpid()),
                 "--log-level", level if level in ("DEBUG", "INFO", "WARNING", "ERROR") else "INFO"]
         proc = await asyncio.create_subprocess_exec(*argv, env=_child_env(env), stdin=subprocess.DEVNULL)

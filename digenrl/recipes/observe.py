@@ -141,15 +141,20 @@ class LiveDisplay:
         self._rows: list[dict[str, Any]] = []
 
     def __enter__(self) -> LiveDisplay:
+        from rich.console import Console
         from rich.live import Live
 
-        self._live = Live(self._render(), refresh_per_second=4, transient=False)
+        # Wide enough for every column even when stderr is a log file or a pipe (80 columns by default).
+        console = Console(stderr=True, width=max(Console(stderr=True).width, 120))
+        self._live = Live(self._render(), console=console, refresh_per_second=4, transient=False)
         self._live.__enter__()
         return self
 
     def __exit__(self, *exc: object) -> None:
         if self._live is not None:
             self._live.__exit__(*exc)
+            if not self._live.console.is_terminal:  # the last frame ends without a newline there
+                self._live.console.line()
 
     def update(self, metrics: dict[str, Any]) -> None:
         self._rows.append(metrics)

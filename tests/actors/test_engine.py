@@ -61,3 +61,18 @@ def test_step_level_batching_matches_separate_fragments(engines) -> None:
         torch.testing.assert_close(y.x, x.x, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(y.transitions()["log_prob"], x.transitions()["log_prob"], atol=1e-5, rtol=1e-5)
     assert not torch.equal(apart[0].x, apart[1].x), "different fragments must get different noise"
+
+
+def test_batch_prompts_are_a_seeded_balanced_function_of_the_batch() -> None:
+    from collections import Counter
+
+    from digenrl.actors.coordinator import batch_prompts
+    from digenrl.recipes.prompts import load_prompts
+
+    pool = load_prompts("color")
+    batch = batch_prompts(pool, 0, 3, 20)
+    assert batch == batch_prompts(pool, 0, 3, 20)  # resuming needs only the batch index
+    assert batch != batch_prompts(pool, 0, 4, 20)
+    counts = Counter(batch)  # more prompts than the pool: whole shuffled passes, no prompt left out
+    assert set(counts) == set(pool) and set(counts.values()) == {2, 3}
+    assert sorted(batch_prompts(pool, 0, 3, len(pool))) == sorted(pool)

@@ -23,8 +23,10 @@ ROWS = 8 * 8 * 1  # prompts x group x trained steps (a one-step window) of one l
 
 
 def _load(*overrides: str) -> Config:
-    # The shipped default with TAG on-policy (staleness 0), which these tests assert on.
-    return load_config(CONFIG, ["schedule.name=tag", *overrides])
+    # The shipped default with TAG on-policy (staleness 0), which these tests assert on, and a quarter of
+    # its batch (2 fragments of 32 samples) to keep the suite fast.
+    small = ["schedule.name=tag", "rollout.prompts_per_batch=8", "schedule.fragment_groups=4", "schedule.train_pack=32"]
+    return load_config(CONFIG, [*small, *overrides])
 
 
 def _pid_of(title: str) -> int | None:
