@@ -12,18 +12,20 @@ difference (from the spread of the iterations inside each window). The negative 
 statistics (and the LoRA's growth) but breaks the link to the reward, so its curve should stay flat;
 ``--control negated`` flips their sign, so its curve should fall. Prints a rich table; writes JSON.
 
-Measured (2-core CPU, two runs at a time with one thread each, the shipped config: 32 px, 16 prompts x 8
-samples per iteration, SDE and training at the first step only, lr 2e-2; gain = last 5 - first 5,
-z = gain / its standard error; 60 iterations, ~80 s per run):
+Measured (2-core CPU, two runs at a time with one thread each; 32 px, SDE and training at the first step
+only, lr 2e-2; gain = last 5 - first 5, z = gain / its standard error; 60 iterations):
 
-* color: seed 0 0.453 -> 0.488 (+0.035, z 12), seed 1 0.451 -> 0.480 (+0.029, z 22), seed 2 0.449 -> 0.479
-  (+0.031, z 26); shuffled control +0.002, +0.009, +0.009 (same seeds). Every seed gains 3-15x its
-  control. Direct gradient ascent through the sampler reaches ~+0.15, so RL is far from the ceiling.
-* jpeg_compressibility: JPEG size 3.2 -> 2.5 kB (-22%); shuffled control 3.2 -> 3.2 kB.
+* color, the shipped 32 prompts x 8 samples per iteration (~160 s per run): seed 0 0.451 -> 0.499 (+0.048,
+  z 61), seed 1 0.452 -> 0.495 (+0.043, z 100), seed 2 0.450 -> 0.469 (+0.019, z 12; it had reached
+  +0.033 by iteration 35, then fell back); shuffled control (seed 0) +0.006.
+* color, 16 prompts x 8 (~80 s per run): +0.035 (z 12), +0.029 (z 22), +0.031 (z 26) for seeds 0/1/2;
+  shuffled controls +0.002, +0.009, +0.009. Every seed gains 3-15x its control. Direct gradient ascent
+  through the sampler reaches ~+0.15, so RL is far from the ceiling.
+* jpeg_compressibility (16 x 8): JPEG size 3.2 -> 2.5 kB (-22%); shuffled control 3.2 -> 3.2 kB.
 * What made the colour reward learnable (it was not beyond its control at 64 px with SDE on every step):
   fewer noisy latent elements per reward (32 px: 256 instead of 1024 per step; one noisy step instead of
   five), so the policy gradient's signal-to-noise rises (cos(batch gradient, reparameterised gradient)
-  0.015 -> 0.045), then lr 2e-2 and 16 x 8 samples per iteration.
+  0.015 -> 0.045), then lr 2e-2 and more samples per iteration.
 """
 
 from __future__ import annotations

@@ -16,8 +16,8 @@ stream reads the text only through joint attention, whose output is scaled by th
 value projection and the output projection, all small at default init. :func:`prompt_signal_init`
 multiplies those three by ``gain`` (4: spread ratio 0.40, mean-colour spread across prompts 0.008; 3 gave
 0.19; 6 was not better), so a prompt-conditioned reward has a prompt-dependent direction to learn. It is
-necessary, not sufficient: the colour run still rises only a little beyond its shuffled control (see
-``bench/learning.py``).
+necessary, not sufficient: the colour run also needed fewer noisy latent elements per reward (32 px, one
+noisy step) to rise clearly beyond its shuffled control (see ``bench/learning.py``).
 
 Only ever applied to random presets (``tiny``/``small``): pretrained weights are never touched.
 """
