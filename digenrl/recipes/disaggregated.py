@@ -167,6 +167,12 @@ async def arun_disaggregated(cfg: Config, out_dir: str | Path | None = None, res
         state = load_state(ckpt)
         base, history = state["version"], list(state.get("history", []))[: state["version"]]
         log.info("resuming from %s at version %d", ckpt, base)
+        if cfg.schedule.name == "async1" or cfg.schedule.staleness:
+            # Samples are seeded per sample, but which version generated a batch in flight is timing; the
+            # checkpoint keeps only the newest weights, so those batches are regenerated with them.
+            log.warning("resuming a one-step-stale schedule: batches in flight at the checkpoint are regenerated "
+                        "with the newest weights, so the metrics after resume differ slightly from an "
+                        "uninterrupted run (exact with the on-policy schedules disaggregated, gap, tsp, tag)")
     if base >= cfg.train.iterations:
         return history
     torch.set_num_threads(1)
