@@ -199,7 +199,7 @@ class FragmentEngine:
             for frag, plan, xs, vs, ss, sn in zip(frags, plans, x.split(sizes), v.split(sizes), sig.split(sizes),
                                                    sig_next.split(sizes), strict=True):
                 a = plan.stochastic[:, i].float() * ro.noise_level
-                z = transition_noise(self.cfg.log.seed, frag.geo[0], frag.sample_ids(), i, xs)
+                z = transition_noise(self.cfg.log.seed, frag.geo[0], frag.sample_ids(), i, xs, active=a > 0)
                 out = sde_step(xs, vs, ss, sn, a, z, kind=ro.sde)  # type: ignore[arg-type]
                 idx = plan.trained[:, i].nonzero().flatten()
                 if idx.numel():

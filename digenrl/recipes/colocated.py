@@ -117,7 +117,8 @@ def iteration(run: ColocatedRun, it: int) -> tuple[dict[str, float], torch.Tenso
     plan = plan_steps(ro.num_steps, groups, mode=ro.steps, window=ro.window,
                       window_range=ro.window_bounds(), fraction=ro.fraction, seed=seed)  # type: ignore[arg-type]
     res = rollout_steps(model.velocity, x0, cond, run.sigmas, plan, 0, ro.num_steps, noise_level=ro.noise_level,
-                        kind=ro.sde, noise=lambda i: transition_noise(cfg.log.seed, it, sids, i, x0),  # type: ignore[arg-type]
+                        kind=ro.sde,  # type: ignore[arg-type]
+                        noise=lambda i: transition_noise(cfg.log.seed, it, sids, i, x0, active=plan.stochastic[:, i]),
                         policy_version=it)
     t1 = time.perf_counter()
     images = model.decode(res.x)

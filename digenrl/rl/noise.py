@@ -48,8 +48,15 @@ def initial_latents(model: Any, seed: int, batch: int, keys: Sequence[int]) -> t
     return torch.cat([drawn[k] for k in keys])
 
 
-def transition_noise(seed: int, batch: int, sample_ids: Sequence[int], step: int, like: torch.Tensor) -> torch.Tensor:
-    """Standard normal noise for step ``step`` of each sample, shaped and placed like ``like`` ``[B, ...]`` (fp32)."""
-    shape = tuple(like.shape[1:])
-    z = [torch.randn(shape, generator=_gen(seed, batch, s, step), dtype=torch.float32) for s in sample_ids]
-    return torch.stack(z).to(like.device)
+def transition_noise(seed: int, batch: int, sample_ids: Sequence[int], step: int, like: torch.Tensor,
+                     active: torch.Tensor | None = None) -> torch.Tensor:
+    """Standard normal noise for step ``step`` of each sample, shaped and placed like ``like`` ``[B, ...]`` (fp32).
+
+    ``active`` (``[B]`` bool) limits the draws to the stochastic rows; the others get zeros, which a
+    deterministic (ODE) step ignores, and no other row's noise changes.
+    """
+    z = torch.zeros(like.shape, dtype=torch.float32)
+    for row, s in enumerate(sample_ids):
+        if active is None or bool(active[row]):
+            z[row] = torch.randn(z.shape[1:], generator=_gen(seed, batch, s, step), dtype=torch.float32)
+    return z.to(like.device)

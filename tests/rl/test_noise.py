@@ -39,3 +39,10 @@ def test_group_members_share_x0_only_with_same_init() -> None:
 def test_seeds_do_not_collide_for_nearby_ids() -> None:
     seeds = {noise_seed(s, b, k, i) for s in range(3) for b in range(20) for k in range(-9, 40) for i in range(-1, 10)}
     assert len(seeds) == 3 * 20 * 49 * 11
+
+
+def test_inactive_rows_get_zeros_and_leave_the_others_alone() -> None:
+    like = torch.zeros(3, 4, 8)
+    full = transition_noise(1, 2, [0, 1, 2], 0, like)
+    some = transition_noise(1, 2, [0, 1, 2], 0, like, active=torch.tensor([True, False, True]))
+    assert torch.equal(some[0], full[0]) and torch.equal(some[2], full[2]) and not some[1].any()
