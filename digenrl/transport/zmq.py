@@ -6,9 +6,10 @@ the sender's address as the first frame and ``Message.src`` is always the sender
 
 State machine and races (the contract of :class:`~digenrl.transport.base.Transport`):
   * OPEN → CLOSED. ``aclose`` cancels the reader task, fails every pending ``recv`` with
-    ``TransportClosed``, closes every socket with ``linger=0`` and then terminates the context.
-    All of that lives in a ``_Resources`` holder closed through ``weakref.finalize``, so explicit
-    close, garbage collection and a constructor that fails half-way share one cleanup path.
+    ``TransportClosed``, closes every socket with a short linger (200 ms: messages already handed to
+    ZeroMQ still leave) and then terminates the context. All of that lives in a ``_Resources`` holder
+    closed through ``weakref.finalize``, so explicit close, garbage collection and a constructor that
+    fails half-way share one cleanup path.
   * Receiving: an event-loop reader callback on the ROUTER's ``ZMQ_FD`` drains it, decodes and
     queues messages (at most ``hwm`` decoded messages; beyond that it stops reading, so ZeroMQ's
     high-water marks push back on the senders). ``recv`` waits on that queue, so a cancelled ``recv`` loses nothing. Garbage from a
@@ -76,6 +77,9 @@ class _Peer:
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
 
+_CLOSE_LINGER_MS = 200
+
+
 @dataclass
 class _Resources:
     """Everything that must be released, in the order that makes ZeroMQ happy."""
@@ -93,10 +97,12 @@ class _Resources:
         for loop, fd in self.readers:
             if not loop.is_closed():
                 loop.remove_reader(fd)
-        # Sockets first with linger=0, then the context: term() would block on unsent messages.
+        # Sockets first, then the context. A short linger lets messages already handed to ZeroMQ leave
+        # (a worker's reply to "shutdown" was sometimes dropped, so the system saw a failed call);
+        # term() waits at most that long for a peer that no longer reads (broken peers: linger 0).
         for sock in self.sockets:
             if not sock.closed:
-                sock.close(linger=0)
+                sock.close(linger=_CLOSE_LINGER_MS)
         self.ctx.term()
         for pool in self.pools:
             pool.close(unlink=False)
