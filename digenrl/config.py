@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from digenrl.errors import ConfigError
+from digenrl.schedule.options import SCHEDULES, SIZE_KEYS
 
 __all__ = [
     "check_runnable",
@@ -214,10 +215,10 @@ class DataConfig:
             _choice("data.prompt_set", self.prompt_set, tuple(PROMPT_SETS))
 
 
-ACTOR_SCHEDULES = ("disaggregated", "gap", "tsp", "tag", "async1")
-SCHEDULE_NAMES = ("colocated", *ACTOR_SCHEDULES)
-# ScheduleOptions token sizes a config may override (0 = the schedule's default).
-OPTION_KEYS = ("fragment_groups", "fragment_members", "step_chunk", "rollout_batch", "train_pack", "tag_steps")
+# The schedule package's own names (torch-free to import): colocated is the single-process loop.
+SCHEDULE_NAMES = SCHEDULES
+ACTOR_SCHEDULES = tuple(name for name in SCHEDULES if name != "colocated")
+OPTION_KEYS = SIZE_KEYS  # ScheduleOptions token sizes a config may override (0 = the schedule's default)
 
 
 @dataclass(frozen=True)

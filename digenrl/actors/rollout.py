@@ -188,6 +188,7 @@ class FragmentEngine:
         """Run steps ``[start, stop)`` of ``frags`` (all at ``start``, one version) in batched forwards."""
         ro = self.cfg.rollout
         plans = [self._plan(f) for f in frags]
+        sample_ids = [f.sample_ids() for f in frags]
         sizes = [f.num_samples for f in frags]
         x = torch.cat([f.x for f in frags])
         cond = cat_cond([f.cond for f in frags])
@@ -196,10 +197,10 @@ class FragmentEngine:
             sig_next = self.sigmas[i + 1].float().expand(x.shape[0])
             v = self.model.velocity(x, sig, cond)
             outs = []
-            for frag, plan, xs, vs, ss, sn in zip(frags, plans, x.split(sizes), v.split(sizes), sig.split(sizes),
-                                                   sig_next.split(sizes), strict=True):
+            for frag, ids, plan, xs, vs, ss, sn in zip(frags, sample_ids, plans, x.split(sizes), v.split(sizes),
+                                                        sig.split(sizes), sig_next.split(sizes), strict=True):
                 a = plan.stochastic[:, i].float() * ro.noise_level
-                z = transition_noise(self.cfg.log.seed, frag.geo[0], frag.sample_ids(), i, xs, active=a > 0)
+                z = transition_noise(self.cfg.log.seed, frag.geo[0], ids, i, xs, active=a > 0)
                 out = sde_step(xs, vs, ss, sn, a, z, kind=ro.sde)  # type: ignore[arg-type]
                 idx = plan.trained[:, i].nonzero().flatten()
                 if idx.numel():

@@ -43,6 +43,7 @@ from digenrl.recipes.observe import LiveDisplay, MetricsLog, run_stats, write_ar
 from digenrl.recipes.prompts import load_prompts
 from digenrl.schedule.base import CostEstimate, Device, Role, Token
 from digenrl.schedule.cost import UniformCost
+from digenrl.schedule.options import PRESETS
 from digenrl.sim.engine import SimResult
 
 __all__ = ["run_disaggregated", "arun_disaggregated", "tiny_cpu_cost", "Cluster", "start_cluster"]
@@ -90,6 +91,11 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _staleness(cfg: Config) -> int:
+    """The run's staleness bound: the schedule preset's (async1: 1), or more if the config asks."""
+    return max(cfg.schedule.staleness, PRESETS[cfg.schedule.name].staleness)
+
+
 async def start_cluster(system: ActorSystem, cfg: Config, version: int = 0) -> Cluster:
     """Spawn and wire the actors of ``cfg.placement`` inside a started ``system``.
 
@@ -100,7 +106,7 @@ async def start_cluster(system: ActorSystem, cfg: Config, version: int = 0) -> C
     place = cfg.placement
     process = cfg.transport.actors == "zmq"
     conf = cfg.to_dict()
-    staleness = max(cfg.schedule.staleness, 1 if cfg.schedule.name == "async1" else 0)
+    staleness = _staleness(cfg)
     plan: list[tuple[str, Role, type, tuple[Any, ...]]] = []
     plan += [(f"trainer-{i}", Role.TRAINER, TrainerActor,
               (conf, place.actor_threads, staleness, cfg.transport.bucket_mb)) for i in range(place.trainer)]
@@ -167,7 +173,7 @@ async def arun_disaggregated(cfg: Config, out_dir: str | Path | None = None, res
         state = load_state(ckpt)
         base, history = state["version"], list(state.get("history", []))[: state["version"]]
         log.info("resuming from %s at version %d", ckpt, base)
-        if cfg.schedule.name == "async1" or cfg.schedule.staleness:
+        if _staleness(cfg):
             # Samples are seeded per sample, but which version generated a batch in flight is timing; the
             # checkpoint keeps only the newest weights, so those batches are regenerated with them.
             log.warning("resuming a one-step-stale schedule: batches in flight at the checkpoint are regenerated "

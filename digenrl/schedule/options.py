@@ -22,7 +22,10 @@ from dataclasses import dataclass
 from digenrl.errors import ConfigError
 from digenrl.schedule.base import Workload
 
-__all__ = ["ScheduleOptions", "SCHEDULES", "PRESETS", "ResolvedSizes", "resolve"]
+__all__ = ["ScheduleOptions", "SCHEDULES", "PRESETS", "SIZE_KEYS", "ResolvedSizes", "resolve"]
+
+# The token sizes (granularities) a caller may override; unset = the schedule's default.
+SIZE_KEYS = ("fragment_groups", "fragment_members", "step_chunk", "rollout_batch", "train_pack", "tag_steps")
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,7 +72,7 @@ class ScheduleOptions:
             raise ConfigError(f"schedule.staleness={self.staleness!r}: allowed values are 0 and 1")
         if self.colocated and (self.gap or self.tag or self.staleness):
             raise ConfigError("schedule.colocated=true cannot be combined with gap, tag or staleness > 0")
-        for name in ("fragment_groups", "fragment_members", "step_chunk", "rollout_batch", "train_pack", "tag_steps"):
+        for name in SIZE_KEYS:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ConfigError(f"schedule.{name}={value!r}: must be a positive integer or unset")
