@@ -75,6 +75,8 @@ class Node:
         self.hosts: dict[str, ActorHost] = {}
         self.last_heard: dict[str, float] = {}
         self.dead: dict[str, str] = {}
+        # Peers asked to exit (their reply to "shutdown" may race their disconnect): leaving is not news.
+        self.leaving: set[str] = set()
         self.trusted: set[str] = set()  # addresses whose ``dead`` notices we believe (the system)
         self.bad_input = _wire.BadInputLog(log, f"node {name}")
         self._pending: dict[int, _Pending] = {}
@@ -172,9 +174,10 @@ class Node:
         for p in failed:
             if not p.future.done():
                 p.future.set_exception(ActorDied(p.actor, reason))
-        # A peer that leaves with nothing pending (a worker exiting at shutdown) is news, not a problem.
-        level = logging.WARNING if failed else logging.INFO
-        log.log(level, "node %s: peer %s is dead (%s); failed %d pending call(s)", self.name, address, reason, len(failed))
+        # A peer that leaves with nothing pending, or that was asked to leave, is news, not a problem.
+        level = logging.WARNING if failed and address not in self.leaving else logging.INFO
+        log.log(level, "node %s: peer %s is dead (%s); failed %d pending call(s)%s", self.name, address, reason,
+                len(failed), "".join(f" {p.actor}.{p.method}" for p in failed))
 
     def _on_peer_broken(self, peer: str, error: TransportBroken) -> None:
         if any(p.address == peer for p in self._pending.values()):

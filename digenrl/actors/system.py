@@ -435,6 +435,8 @@ class ActorSystem:
 
     async def _stop_worker(self, worker: Worker, end: float) -> None:
         """Ask the worker to drain and exit; for our own processes, make sure they are gone."""
+        assert self.node is not None
+        self.node.leaving.add(worker.address)
         try:
             async with asyncio.timeout(max(0.05, end - time.monotonic())):
                 await worker.agent.call("shutdown", max(0.0, end - time.monotonic() - 0.2))
