@@ -31,6 +31,7 @@ __all__ = [
     "load_pipeline_offline",
     "calculate_shift",
     "flow_match_sigmas",
+    "decode_causal_vae",
 ]
 
 logger = logging.getLogger(__name__)
@@ -187,6 +188,28 @@ def check_sigma(x: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
     if sigma.shape != (x.shape[0],):
         raise ValueError(f"sigma must have shape [B]=[{x.shape[0]}] (one noise level per row), got {tuple(sigma.shape)}")
     return sigma.to(device=x.device, dtype=torch.float32)
+
+
+def decode_causal_vae(vae: Any, latents: torch.Tensor) -> torch.Tensor:
+    """Decode ``[B, C, F, h, w]`` latents with a Wan-family causal VAE (Qwen-Image, Wan2.1), in [-1, 1].
+
+    The per-channel latent normalisation (``latents_mean``/``latents_std``) is undone first. On CPU
+    the decode runs channels-last: the VAE's RMS norm reduces over the channel dim, which on the
+    default layout is a strided reduction that took 45% of a tiny decode and kept it on one core
+    (1.2x from a second thread). Channels-last: 1.7x faster on one thread, 2.3x on two; same numbers
+    within 4e-7. The Conv3d weights are converted once and stay so (diffusers' ``save_pretrained``
+    writes contiguous copies).
+    """
+    lat = latents.to(vae.dtype)
+    mean = torch.tensor(vae.config.latents_mean, dtype=lat.dtype, device=lat.device).view(1, -1, 1, 1, 1)
+    std = torch.tensor(vae.config.latents_std, dtype=lat.dtype, device=lat.device).view(1, -1, 1, 1, 1)
+    lat = lat * std + mean
+    if lat.device.type == "cpu":
+        for p in vae.parameters():
+            if p.dim() == 5 and not p.is_contiguous(memory_format=torch.channels_last_3d):
+                p.data = p.data.contiguous(memory_format=torch.channels_last_3d)
+        lat = lat.contiguous(memory_format=torch.channels_last_3d)
+    return vae.decode(lat, return_dict=False)[0]
 
 
 class DiffusersGenerator:

@@ -28,6 +28,7 @@ from digenrl.models._common import (
     check_num_steps,
     check_prompts,
     check_sigma,
+    decode_causal_vae,
     flow_match_sigmas,
     load_pipeline_offline,
     pack_2x2,
@@ -201,11 +202,7 @@ class QwenImageModel(DiffusersGenerator):
     @torch.no_grad()
     def decode(self, x: torch.Tensor) -> torch.Tensor:
         """Images ``[B, 3, H, W]`` in [0, 1]: unpack, undo the per-channel latent normalisation, VAE decode."""
-        vae = self.pipe.vae
-        lat = unpack_2x2(x.float(), self.lat_h, self.lat_w)[:, :, None].to(vae.dtype)
-        mean = torch.tensor(vae.config.latents_mean, dtype=lat.dtype, device=lat.device).view(1, -1, 1, 1, 1)
-        std = torch.tensor(vae.config.latents_std, dtype=lat.dtype, device=lat.device).view(1, -1, 1, 1, 1)
-        img = vae.decode(lat * std + mean, return_dict=False)[0][:, :, 0]
+        img = decode_causal_vae(self.pipe.vae, unpack_2x2(x.float(), self.lat_h, self.lat_w)[:, :, None])[:, :, 0]
         return (img.float() / 2 + 0.5).clamp(0, 1)
 
     # -- construction ---------------------------------------------------------------------------

@@ -28,6 +28,7 @@ from digenrl.models._common import (
     check_num_steps,
     check_prompts,
     check_sigma,
+    decode_causal_vae,
     load_pipeline_offline,
     seeded,
     to_device_dtype,
@@ -163,11 +164,7 @@ class WanModel(DiffusersGenerator):
     @torch.no_grad()
     def decode(self, x: torch.Tensor) -> torch.Tensor:
         """``[B, 3, H, W]`` for one frame, else ``[B, 3, F, H, W]``, in [0, 1] (latent de-normalised first)."""
-        vae = self.pipe.vae
-        lat = x.to(vae.dtype)
-        mean = torch.tensor(vae.config.latents_mean, dtype=lat.dtype, device=lat.device).view(1, -1, 1, 1, 1)
-        std = torch.tensor(vae.config.latents_std, dtype=lat.dtype, device=lat.device).view(1, -1, 1, 1, 1)
-        video = vae.decode(lat * std + mean, return_dict=False)[0]
+        video = decode_causal_vae(self.pipe.vae, x)
         video = (video.float() / 2 + 0.5).clamp(0, 1)
         return video[:, :, 0] if self.num_frames == 1 else video
 

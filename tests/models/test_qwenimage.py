@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -109,7 +111,11 @@ def test_decode_matches_stock_pipeline_postprocess(qwen):
     img = qwen.decode(x)
     assert img.shape == (2, 3, 64, 64) and 0 <= img.min() and img.max() <= 1
     stock = QwenImagePipeline(**qwen.pipe.components)
-    vae = stock.vae
+    # decode runs channels-last on CPU: the reference is a copy in the stock (contiguous) layout
+    vae = copy.deepcopy(stock.vae)
+    for p in vae.parameters():
+        p.data = p.data.contiguous()
+    assert all(p.is_contiguous() for p in vae.parameters())
     with torch.no_grad():
         lat = stock._unpack_latents(x, 64, 64, stock.vae_scale_factor)
         mean = torch.tensor(vae.config.latents_mean).view(1, 16, 1, 1, 1)
