@@ -163,6 +163,8 @@ class Coordinator:
             RemoteError: an actor's endpoint raised.
         """
         try:
+            if getattr(getattr(self.schedule, "opt", None), "previous_version", False):
+                await self._publish(self.base - 1)  # a stale resume: the next batch was started with it
             await self._publish(self.base)
             self._launch(self.schedule.start())
             while not self.schedule.done:
@@ -268,13 +270,18 @@ class Coordinator:
             raise StalenessViolation(f"batch {batch}: {covered} rows trained before its optimizer step, expected {expected}")
         if len(group) > 1:
             await asyncio.gather(*(self.refs[n].snapshot_grads.call() for n in group))
-        results = await asyncio.gather(*(self.refs[n].optim.call(batch, book.kept_rows, group) for n in group))
+        due = self.checkpoint is not None and self.checkpoint_every and (
+            (batch + 1) % self.checkpoint_every == 0 or batch + 1 == self.cfg.train.iterations)
+        # A stale run's checkpoint also holds the weights before this step: the next batch uses them.
+        keep = [bool(due and self.staleness and n == self.trainers[0]) for n in group]
+        results = await asyncio.gather(*(self.refs[n].optim.call(batch, book.kept_rows, group, k)
+                                         for n, k in zip(group, keep, strict=True)))
         for name, res in zip(group, results, strict=True):
             self.spans.add(name, TokenKind.OPTIM, batch, -1, token.policy_version + self.base, res["t0"], res["t1"],
                            helper=False, token=token.id)
         metrics = self._step_metrics(batch, book, results[0])
-        if self.checkpoint is not None and self.checkpoint_every and (
-                (batch + 1) % self.checkpoint_every == 0 or batch + 1 == self.cfg.train.iterations):
+        if due:
+            assert self.checkpoint is not None
             await self.checkpoint(batch + 1, self.state(batch + 1))
         if self.on_step is not None:
             self.on_step(metrics)

@@ -30,14 +30,16 @@ from digenrl.actors.rollout import (FragmentData, FragmentEngine, GenerationMixi
                                     probe_velocity)
 from digenrl.actors.weights import pack_buckets, state_digest
 from digenrl.config import config_from_dict
-from digenrl.errors import ActorDied, StalenessViolation
+from digenrl.errors import ActorDied, ConfigError, StalenessViolation
 from digenrl.models import cat_cond, reference
 from digenrl.models.lora import load_trainable, save_trainable, trainable_state_dict
 from digenrl.rl.loss import LossConfig
 from digenrl.rl.rollout import TransitionBatch
 from digenrl.rl.tsp import packed_backward, per_step_backward
 
-__all__ = ["TrainerActor"]
+__all__ = ["TrainerActor", "PREVIOUS_WEIGHTS"]
+
+PREVIOUS_WEIGHTS = "previous.safetensors"  # in a checkpoint of a one-step-stale run: version - 1's weights
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +80,7 @@ class TrainerActor(GenerationMixin, Actor):
         self.engine = FragmentEngine(cfg, self.model, reward)
         self.store: dict[tuple[int, int], FragmentData] = {}
         self.version = 0
+        self._previous: dict[str, torch.Tensor] | None = None  # version - 1's weights, for a stale checkpoint
         self._snapshot: list[torch.Tensor] = []
         self._lane: Any = None
 
@@ -197,8 +200,11 @@ class TrainerActor(GenerationMixin, Actor):
         return self._snapshot
 
     @endpoint
-    async def optim(self, batch: int, total_rows: int, group: list[str]) -> dict[str, Any]:
+    async def optim(self, batch: int, total_rows: int, group: list[str], keep_previous: bool = False) -> dict[str, Any]:
         """The optimizer step of ``batch``: sum the group's gradients, divide by ``total_rows``, clip, step.
+
+        ``keep_previous``: keep the weights from before the step, for the checkpoint that follows (a
+        one-step-stale run resumes generating its next batch with them).
 
         Raises:
             FloatingPointError: a non-finite gradient norm (the step is refused).
@@ -209,6 +215,7 @@ class TrainerActor(GenerationMixin, Actor):
             raise StalenessViolation(f"{self.name} at version {self.version} asked to step batch {batch}")
         peers = [n for n in group if n != self.name]
         others = [await self.peers[n].grad_snapshot.call() for n in peers]
+        self._previous = trainable_state_dict(self.model) if keep_previous else None
         grad_norm = await self._compute(self._optim_compute, total_rows, others)
         self.version = batch + 1
         for key in [k for k in self.store if k[0] <= batch]:
@@ -234,19 +241,30 @@ class TrainerActor(GenerationMixin, Actor):
         return float(grad_norm)
 
     # -- weights -------------------------------------------------------------------------------
+    def _weights(self, version: int) -> dict[str, torch.Tensor]:
+        """The trainable weights of ``version``: the current ones, or the kept previous ones.
+
+        Raises:
+            StalenessViolation: this trainer does not hold ``version``.
+        """
+        if version == self.version:
+            return trainable_state_dict(self.model)
+        if version == self.version - 1 and self._previous is not None:
+            return self._previous
+        raise StalenessViolation(f"{self.name} holds version {self.version}, asked to publish {version}")
+
     @endpoint
     async def publish(self, version: int, rollouts: list[str]) -> dict[str, Any]:
         """Send this trainer's weights, stamped ``version``, to ``rollouts`` (zmq lane).
 
+        ``version`` is the trainer's, or the one before right after a one-step-stale resume.
         Returns the span, the bytes sent per receiver and ``failed``: receivers found dead.
 
         Raises:
             StalenessViolation: this trainer does not hold ``version``.
         """
         t0 = time.time()
-        if version != self.version:
-            raise StalenessViolation(f"{self.name} holds version {self.version}, asked to publish {version}")
-        layout, buckets = pack_buckets(trainable_state_dict(self.model), self.bucket_mb)
+        layout, buckets = pack_buckets(self._weights(version), self.bucket_mb)
         results = await asyncio.gather(*(self.peers[r].receive_weights.call(version, layout, buckets) for r in rollouts),
                                        return_exceptions=True)
         # A receiver that died is the coordinator's business (it re-plans); any other failure is a bug.
@@ -261,9 +279,7 @@ class TrainerActor(GenerationMixin, Actor):
     async def publish_dist(self, version: int) -> dict[str, Any]:
         """Source side of the torch.distributed broadcast of ``version`` (receivers enter it too)."""
         t0 = time.time()
-        if version != self.version:
-            raise StalenessViolation(f"{self.name} holds version {self.version}, asked to publish {version}")
-        sd = trainable_state_dict(self.model)
+        sd = self._weights(version)
         await self._compute(self._lane.broadcast, sd, self.bucket_mb)
         return {"t0": t0, "t1": time.time(), "bytes": sum(t.numel() * t.element_size() for t in sd.values())}
 
@@ -282,13 +298,22 @@ class TrainerActor(GenerationMixin, Actor):
     # -- checkpoints -----------------------------------------------------------------------------
     @endpoint
     async def save_state(self, directory: str) -> list[str]:
-        """Write trainable weights (safetensors) and optimizer state into ``directory``; returns the files."""
+        """Write trainable weights (safetensors) and optimizer state into ``directory``; returns the files.
+
+        After an optimizer step that kept the previous weights, they go to ``previous.safetensors``.
+        """
         return await self._compute(self._save, Path(directory))
 
     def _save(self, d: Path) -> list[str]:
+        from safetensors.torch import save_file
+
         save_trainable(self.model, d / "trainable.safetensors")
         torch.save(self.optimizer.state_dict(), d / "optimizer.pt")
-        return [str(d / "trainable.safetensors"), str(d / "optimizer.pt")]
+        files = [str(d / "trainable.safetensors"), str(d / "optimizer.pt")]
+        if self._previous is not None:
+            save_file({k: v.contiguous() for k, v in self._previous.items()}, str(d / PREVIOUS_WEIGHTS))
+            files.append(str(d / PREVIOUS_WEIGHTS))
+        return files
 
     @endpoint
     async def load_state(self, directory: str, version: int) -> str:
@@ -296,8 +321,17 @@ class TrainerActor(GenerationMixin, Actor):
         return await self._compute(self._load, Path(directory), version)
 
     def _load(self, d: Path, version: int) -> str:
+        from safetensors.torch import load_file
+
         load_trainable(self.model, d / "trainable.safetensors")
         # Local file written by this program (never network data); weights_only refuses arbitrary objects.
         self.optimizer.load_state_dict(torch.load(d / "optimizer.pt", weights_only=True))
         self.version = version
+        self._previous = None
+        if (d / PREVIOUS_WEIGHTS).is_file():
+            previous = load_file(str(d / PREVIOUS_WEIGHTS))
+            own = trainable_state_dict(self.model, copy_tensors=False)
+            if previous.keys() != own.keys() or any(previous[k].shape != own[k].shape for k in own):
+                raise ConfigError(f"{d / PREVIOUS_WEIGHTS}: its tensors do not match this model's trainable weights")
+            self._previous = previous
         return state_digest(trainable_state_dict(self.model, copy_tensors=False))

@@ -5,6 +5,8 @@ Layout under ``<out>/checkpoints/``::
     step-000003/            one complete checkpoint (the optimizer step count in its name)
         trainable.safetensors   trainable weights (LoRA-only when training LoRA)
         optimizer.pt            the optimizer state (written by the lead trainer)
+        previous.safetensors    one-step-stale schedules: the weights one version back, which the
+                                next batch is generated with (so a resumed run continues exactly)
         coordinator.json        version, next batch (dataset position), run seed, metrics history,
                                 schedule name, fragments in flight when it was taken
     latest                  a one-line file naming the newest complete checkpoint

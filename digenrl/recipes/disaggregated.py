@@ -35,7 +35,7 @@ from digenrl.actors import ActorSystem
 from digenrl.actors.coordinator import Coordinator, RunStopped
 from digenrl.actors.reward import RewardActor
 from digenrl.actors.rollout import RolloutActor
-from digenrl.actors.trainer import TrainerActor
+from digenrl.actors.trainer import PREVIOUS_WEIGHTS, TrainerActor
 from digenrl.config import ACTOR_SCHEDULES, Config
 from digenrl.errors import ConfigError
 from digenrl.recipes.checkpoint import find_checkpoint, load_state, save_checkpoint
@@ -168,17 +168,20 @@ async def arun_disaggregated(cfg: Config, out_dir: str | Path | None = None, res
     sched, place, transport, logc = cfg.schedule, cfg.placement, cfg.transport, cfg.log
     out = Path(out_dir or cfg.log.out or default_out_dir())
     base, history, ckpt = 0, [], None
+    options: dict[str, Any] = dict(cfg.schedule_options)
     if resume is not None:
         ckpt = find_checkpoint(resume)
         state = load_state(ckpt)
         base, history = state["version"], list(state.get("history", []))[: state["version"]]
         log.info("resuming from %s at version %d", ckpt, base)
-        if _staleness(cfg):
-            # Samples are seeded per sample, but which version generated a batch in flight is timing; the
-            # checkpoint keeps only the newest weights, so those batches are regenerated with them.
-            log.warning("resuming a one-step-stale schedule: batches in flight at the checkpoint are regenerated "
-                        "with the newest weights, so the metrics after resume differ slightly from an "
-                        "uninterrupted run (exact with the on-policy schedules disaggregated, gap, tsp, tag)")
+        if _staleness(cfg) and base > 0:
+            # Batch `base` was generated with version base - 1: the checkpoint holds those weights too.
+            if (ckpt / PREVIOUS_WEIGHTS).is_file():
+                options["previous_version"] = True
+            else:
+                log.warning("checkpoint %s has no %s (written before digenrl kept it): batch %d is generated "
+                            "with version %d instead of %d, so the metrics after resume differ slightly from an "
+                            "uninterrupted run", ckpt, PREVIOUS_WEIGHTS, base, base, base - 1)
     if base >= cfg.train.iterations:
         return history
     torch.set_num_threads(1)
@@ -218,7 +221,7 @@ async def arun_disaggregated(cfg: Config, out_dir: str | Path | None = None, res
         coordinator = Coordinator(
             cfg, sched.name, cluster.devices, cluster.refs,
             load_prompts(cfg.data.prompt_set, cfg.data.prompts, cfg.data.prompt_file),
-            options=cfg.schedule_options, cost=cost or tiny_cpu_cost(), base=base, history=history,
+            options=options, cost=cost or tiny_cpu_cost(), base=base, history=history,
             is_dead=cluster.is_dead, weights_lane="torchdist" if transport.weights == "torchdist" else "zmq",
             bucket_mb=transport.bucket_mb, checkpoint=checkpoint if write_files else None,
             checkpoint_every=logc.checkpoint_every, on_step=step_done,

@@ -36,6 +36,7 @@ class RolloutMixin:
     version: int
     published: int
     _prev_published: int
+    _first_version: int
     _opened: int
     _speed: SpeedTracker
     _batches: dict[int, BatchState]
@@ -89,8 +90,19 @@ class RolloutMixin:
         return info.epoch == entry[1] and info.state is state
 
     def _unstarted_batch(self, version: int, only: int | None = None) -> int | None:
-        """Lowest open batch with unstarted fragments that may start with ``version``."""
-        lo, hi = version, min(self._opened, version + self.opt.staleness)
+        """Lowest open batch with unstarted fragments that start with ``version``.
+
+        Batch ``b`` starts with version ``max(first, b - staleness)`` (``first``: the oldest version
+        of the run, -1 after a one-step-stale resume, else 0). Versions are then a function of the
+        batch, not of timing: a run is reproducible and resumes exactly. Only with no rollout device
+        left (they keep the older version) does a trainer start batches ``V..V + staleness`` at ``V``.
+        """
+        s = self.opt.staleness
+        if self._alive[Role.ROLLOUT]:
+            lo, hi = (0 if version == self._first_version else version + s), version + s
+        else:
+            lo, hi = version, version + s
+        hi = min(self._opened, hi)
         if only is not None:
             lo = hi = only if lo <= only <= hi else -1
         for b in range(max(lo, self.version), hi + 1):
@@ -145,9 +157,10 @@ class RolloutMixin:
             top = self._bucket_top(v)
             if top is not None and (only is None or top[0] == only) and (best_key is None or top < best_key):
                 best, best_key = (v, top[0], -top[1]), top
-        b = self._unstarted_batch(versions[0], only)
-        if b is not None and (best_key is None or (b, 0) < best_key):
-            best = (versions[0], b, -1)
+        for v in dict.fromkeys(versions):
+            b = self._unstarted_batch(v, only)
+            if b is not None and (best_key is None or (b, 0) < best_key):
+                best, best_key = (v, b, -1), (b, 0)
         return best
 
     def _rollout_token(self, name: str, pick: tuple[int, int, int], cap: int, chunk: int, helper: bool) -> Token:

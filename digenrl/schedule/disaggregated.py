@@ -4,8 +4,9 @@ State machine (one instance per run; ``start()`` then ``on_event()`` per event):
 
 - Versions. ``V`` = optimizer steps done = the trainers' version. Rollout devices hold the newest
   published version ``pub`` and the one before (a rollout actor keeps two), so every READY fragment
-  can continue. A fragment's version is fixed by its first ROLLOUT token (trajectory-consistent);
-  batch ``b`` may start only with a version in ``[b - staleness, b]``.
+  can continue. A fragment's version is fixed by its first ROLLOUT token (trajectory-consistent):
+  batch ``b`` starts with version ``max(0, b - staleness)``, whatever the timing, so a run is
+  reproducible and resumes exactly (``previous_version``: the run resumes holding version -1 too).
 - Rollout (``_rollout.py``). Each fragment is UNSTARTED -> (READY <-> RUNNING)* -> AWAIT_REWARD ->
   REWARDING -> SCORED. READY fragments wait in buckets keyed ``(version, batch, step)``; a ROLLOUT
   token takes one bucket's fragments up to the device's sample budget. Older batches and
@@ -108,7 +109,8 @@ class DisaggregatedSchedule(RolloutMixin, TagMixin, DispatchingSchedule):
         self._opened = -1
         self.version = 0  # V: optimizer steps done
         self.published = 0  # newest version on the rollout devices
-        self._prev_published = 0
+        # A resumed one-step-stale run starts holding the version before the checkpoint too (-1 here).
+        self._prev_published = self._first_version = -1 if options.previous_version else 0
         self._publish_queue: deque[int] = deque()
         self._optim_running = False
         self._buckets: dict[tuple[int, int, int], deque[Entry]] = {}  # (version, batch, step)

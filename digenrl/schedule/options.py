@@ -41,13 +41,15 @@ class ScheduleOptions:
             fragment and unpacked per-timestep training of whole samples).
         tag: idle trainers generate fragments of the batch they wait for, when the cost model
             predicts the batch finishes sooner with the help.
-        staleness: 0 = strict on-policy; 1 = batch k may be generated with version k - 1.
+        staleness: 0 = strict on-policy; 1 = batch k is generated with version k - 1 (batch 0 with 0).
         fragment_groups: prompts (whole groups) per fragment.
         fragment_members: members of each prompt's group per fragment (splits along G).
         step_chunk: denoising steps per ROLLOUT token (TSP).
         rollout_batch: most samples per ROLLOUT token at unit speed (step-level batching, TSP).
         train_pack: rows per TRAIN token at unit speed (rounded to whole samples without TSP).
         tag_steps: denoising steps per helper token (short, so the trainer returns quickly).
+        previous_version: the rollout devices start with version -1 as well as 0 (a one-step-stale
+            run resumed from a checkpoint: its first batch was generated with the version before).
     """
 
     colocated: bool = False
@@ -61,6 +63,7 @@ class ScheduleOptions:
     rollout_batch: int | None = None
     train_pack: int | None = None
     tag_steps: int | None = None
+    previous_version: bool = False
 
     def validate(self, workload: Workload) -> None:
         """Check the switches against each other and the workload.
@@ -72,6 +75,8 @@ class ScheduleOptions:
             raise ConfigError(f"schedule.staleness={self.staleness!r}: allowed values are 0 and 1")
         if self.colocated and (self.gap or self.tag or self.staleness):
             raise ConfigError("schedule.colocated=true cannot be combined with gap, tag or staleness > 0")
+        if self.previous_version and not self.staleness:
+            raise ConfigError("previous_version=true needs staleness 1 (only a stale schedule uses an older version)")
         for name in SIZE_KEYS:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):

@@ -95,20 +95,26 @@ async def test_killed_rollout_actor_its_work_is_reissued_and_nothing_is_lost(tmp
     assert helped, "after the rollout actor died the trainer must generate (TAG)"
 
 
-async def test_resume_continues_exactly_like_an_uninterrupted_run(tmp_path: Path) -> None:
-    common = ("transport.actors=inproc", "schedule.name=disaggregated", "rollout.prompts_per_batch=4",
+@pytest.mark.parametrize("schedule", ["disaggregated", "async1"])
+async def test_resume_continues_exactly_like_an_uninterrupted_run(tmp_path: Path, schedule: str) -> None:
+    """async1 too: batch 2 is generated with version 1, which the checkpoint at version 2 keeps."""
+    common = ("transport.actors=inproc", f"schedule.name={schedule}", "rollout.prompts_per_batch=4",
               "rollout.num_steps=4", "log.image_every=0", "log.checkpoint_every=1")
     cfg3 = _load("train.iterations=3", *common)
     cfg2 = _load("train.iterations=2", *common)
     whole = await arun_disaggregated(cfg3, tmp_path / "whole")
     await arun_disaggregated(cfg2, tmp_path / "cut")
-    assert load_state(find_checkpoint(tmp_path / "cut"))["version"] == 2
+    ckpt = find_checkpoint(tmp_path / "cut")
+    assert load_state(ckpt)["version"] == 2
+    assert (ckpt / "previous.safetensors").is_file() == (schedule == "async1")
     resumed = await arun_disaggregated(cfg3, tmp_path / "cut", resume=tmp_path / "cut")
     assert [m["step"] for m in resumed] == [0, 1, 2] == [m["step"] for m in _lines(tmp_path / "cut")]
-    keys = ("reward_mean", "reward_std", "clipfrac", "approx_kl", "kl", "zero_std_ratio", "grad_norm", "policy_loss")
+    keys = ("reward_mean", "reward_std", "clipfrac", "approx_kl", "kl", "zero_std_ratio", "grad_norm", "policy_loss",
+            "max_staleness")
     for a, b in zip(whole, resumed, strict=True):
         assert {k: a[k] for k in keys} == {k: b[k] for k in keys}
     assert whole[2]["grad_norm"] > 0
+    assert [m["max_staleness"] for m in whole] == ([0, 1, 1] if schedule == "async1" else [0, 0, 0])
 
 
 @pytest.mark.slow

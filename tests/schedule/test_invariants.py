@@ -23,6 +23,7 @@ from digenrl.schedule import (
     Role,
     ScheduleOptions,
     Token,
+    TokenKind,
     UniformCost,
     Workload,
     build_schedule,
@@ -138,3 +139,24 @@ SWITCHES = st.builds(
 @given(SWITCHES.flatmap(lambda o: scenarios(o)))
 def test_each_switch_alone_and_combined_keeps_invariants(scenario: tuple) -> None:
     run_and_check(*scenario)
+
+
+@SETTINGS
+@given(SWITCHES.flatmap(lambda o: scenarios(o)), st.booleans())
+def test_batch_b_starts_with_version_b_minus_staleness_whatever_the_timing(scenario: tuple, resumed: bool) -> None:
+    """With a rollout device alive (no faults), start versions are a function of the batch alone:
+    runs are reproducible, and a one-step-stale run resumed holding version -1 starts batch 0 with it."""
+    w, options, devices, _, seed = scenario
+    if not any(d.role is Role.ROLLOUT for d in devices):
+        return
+    options = dataclasses.replace(options, previous_version=resumed and options.staleness == 1)
+    if options.previous_version:
+        rep = replay(build_schedule(devices, w, options, UniformCost()), devices,
+                     lambda token: random.Random(seed + token.id).uniform(0.5, 2.0))
+        assert rep.done
+    else:
+        _, rep = run_and_check(w, options, devices, [], seed)
+    first = -1 if options.previous_version else 0
+    starts = {(f.batch, f.index): s.token.policy_version for s in rep.spans
+              if s.token.kind is TokenKind.ROLLOUT and s.token.step_start == 0 for f in s.token.fragments}
+    assert starts and all(v == max(first, b - options.staleness) for (b, _), v in starts.items()), starts
