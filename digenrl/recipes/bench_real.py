@@ -17,6 +17,12 @@ sample-steps, samples, rows) to every token the actor runs executed (pooled over
 so ``sim_error`` tests the schedule and driver dynamics (overlap, waits, pipelining), not the FLOP model.
 The colocated row's simulator input is its own phase timings (rollout, decode + reward, train), so
 its ``sim_error`` is near zero by construction.
+
+With ``colocated`` it also runs ``real-2x1thread``: two independent single-thread colocated runs in
+two processes at once, their samples/s summed. No schedule of two one-thread actor processes can
+beat that on this machine (no exchange, no bubble; two busy processes share caches and memory
+bandwidth, which a lone one-thread run does not show), so it is the ceiling to read the actor rows
+against: how far a schedule is from it is the schedule's own loss.
 """
 
 from __future__ import annotations
@@ -109,6 +115,20 @@ def _colocated(cfg: Any, iterations: int) -> tuple[dict[str, Any], MeasuredCost,
                          "train": (0.0, mean("t_train") / rows), "optim": (0.0, 0.0), "switch": (0.0, 0.0)})
     return {"samples_per_s": sps, "rewards": [m["reward_mean"] for m in history]}, cost, Workload(
         iterations, ro.prompts_per_batch, ro.group_size, ro.num_steps, trained_steps(cfg))
+
+
+def _colocated_rate(cfg: Any) -> float:
+    return _colocated(cfg, cfg.train.iterations)[0]["samples_per_s"]
+
+
+def _two_processes(cfg: Any) -> list[float]:
+    """Steady samples/s of each of two single-thread colocated runs started together in two processes."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    one = dataclasses.replace(cfg, placement=dataclasses.replace(cfg.placement, threads=1))
+    with ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return list(pool.map(_colocated_rate, [one, one]))
 
 
 def _cpu_times() -> tuple[float, float] | None:
@@ -221,7 +241,7 @@ def run_real_bubbles(schedules: list[str] | None = None, num_batches: int = 8, o
     root.mkdir(parents=True, exist_ok=True)
     # schedule -> one (result, tokens, wall, devices, load, steady samples/s) per round
     runs: dict[str, list[tuple[SimResult, list[tuple[Token, float]], float, list[Device], float, float]]] = {}
-    coloc: dict[int, list[dict[str, Any]]] = {}  # threads -> one row per round
+    coloc: dict[str, list[dict[str, Any]]] = {}  # colocated scenario -> one row per round
     rows: list[dict[str, Any]] = []
     try:
         for rnd in range(repeats):
@@ -244,7 +264,14 @@ def run_real_bubbles(schedules: list[str] | None = None, num_batches: int = 8, o
                         row["bubble_per_actor"] = {f"colocated (1 process, {threads} threads)": 0.0}
                         row["threads"] = threads
                         row["busy_cores_before"] = load
-                        coloc.setdefault(threads, []).append(row)
+                        coloc.setdefault(row["scenario"], []).append(row)
+                    start, load = time.perf_counter(), _load()
+                    rates = _two_processes(cfg)
+                    pair = {**row, "scenario": "real-2x1thread", "devices": 2, "samples_per_s": sum(rates),
+                            "samples_per_s_processes": rates, "wall_s": time.perf_counter() - start,
+                            "bubble_per_actor": {"2 independent processes, 1 thread each": 0.0},
+                            "sim_samples_per_s": None, "sim_error": None, "busy_cores_before": load, "threads": 1}
+                    coloc.setdefault(pair["scenario"], []).append(pair)
                     continue
                 got: list[Any] = []
                 start, load = time.perf_counter(), _load()
@@ -255,7 +282,7 @@ def run_real_bubbles(schedules: list[str] | None = None, num_batches: int = 8, o
                 runs.setdefault(sched, []).append((result, tokens, time.perf_counter() - start, list(result.devices),
                                                    load, summarize(result).steady.samples_per_s))
         colocated_row: dict[str, Any] | None = None
-        for threads, cand in coloc.items():
+        for cand in coloc.values():
             row = _median(cand, lambda r: r["samples_per_s"])
             row["samples_per_s_runs"] = [r["samples_per_s"] for r in cand]
             colocated_row = colocated_row or row
@@ -290,6 +317,8 @@ def run_real_bubbles(schedules: list[str] | None = None, num_batches: int = 8, o
                                    "to the measured tokens of all runs) / measured - 1",
                       "sim_error_self_calibrated": "the same with costs fitted to this run's tokens only",
                       "colocated": "the single-process loop with placement.threads torch threads",
+                      "real-2x1thread": "two independent 1-thread colocated runs at once, samples/s summed: the "
+                                        "ceiling of any schedule of two 1-thread processes on this machine",
                       "samples_per_s_runs": "every round's samples/s (repeats); the row is the median run",
                       "busy_cores_before": "cores busy with other processes just before the run (/proc/stat "
                                            "over 0.5 s): rows measured at different loads are not comparable"}}

@@ -1,6 +1,8 @@
-"""The simulator calibration used by `bench bubbles --real`: per-kind linear fits of measured tokens."""
+"""`bench bubbles --real`: the simulator calibration (per-kind linear fits of measured tokens) and a short real run."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 
@@ -38,3 +40,19 @@ def test_median_run_is_robust_to_one_disturbed_run() -> None:
 
     assert _median([{"s": 60.0}, {"s": 12.0}, {"s": 58.0}], lambda r: r["s"]) == {"s": 58.0}
     assert _median([{"s": 60.0}, {"s": 12.0}], lambda r: r["s"]) == {"s": 12.0}  # even count: the lower one
+
+
+@pytest.mark.slow
+def test_real_bench_measures_colocated_the_pair_ceiling_and_async1(tmp_path) -> None:
+    small = ["rollout.prompts_per_batch=4", "schedule.fragment_groups=2", "schedule.train_pack=16"]
+    report = run_real_bubbles(["colocated", "async1"], num_batches=3, out=tmp_path, overrides=small)
+    rows = {r["scenario"]: r for r in report["rows"]}
+    assert list(rows) == ["real-colocated", "real-colocated-1thread", "real-2x1thread", "real-async1"]
+    pair = rows["real-2x1thread"]
+    assert len(pair["samples_per_s_processes"]) == 2 and pair["samples_per_s"] == sum(pair["samples_per_s_processes"])
+    assert all(r["samples_per_s"] > 0 for r in rows.values())
+    assert rows["real-colocated"]["speedup_vs_colocated"] == 1.0
+    assert set(rows["real-async1"]["bubble_per_actor"]) == {"rollout-0", "trainer-0"}
+    assert rows["real-async1"]["sim_error"] is not None and rows["real-async1"]["max_staleness"] == 1
+    assert json.loads((tmp_path / "bubbles.json").read_text())["rows"][2]["scenario"] == "real-2x1thread"
+    assert (tmp_path / "gantt-real.png").is_file()
