@@ -215,8 +215,7 @@ class TrainerActor(GenerationMixin, Actor):
             raise StalenessViolation(f"{self.name} at version {self.version} asked to step batch {batch}")
         peers = [n for n in group if n != self.name]
         others = [await self.peers[n].grad_snapshot.call() for n in peers]
-        self._previous = trainable_state_dict(self.model) if keep_previous else None
-        grad_norm = await self._compute(self._optim_compute, total_rows, others)
+        grad_norm = await self._compute(self._optim_compute, total_rows, others, keep_previous)
         self.version = batch + 1
         for key in [k for k in self.store if k[0] <= batch]:
             del self.store[key]
@@ -224,7 +223,8 @@ class TrainerActor(GenerationMixin, Actor):
             del self.engine.fragments[key]
         return {"grad_norm": grad_norm, "version": self.version, "t0": t0, "t1": time.time()}
 
-    def _optim_compute(self, total_rows: int, others: list[list[torch.Tensor]]) -> float:
+    def _optim_compute(self, total_rows: int, others: list[list[torch.Tensor]], keep_previous: bool) -> float:
+        self._previous = trainable_state_dict(self.model) if keep_previous else None
         if total_rows == 0:  # every group had identical rewards: nothing to learn from (as colocated)
             self.optimizer.zero_grad(set_to_none=True)
             return 0.0

@@ -75,7 +75,7 @@ def test_actor_settings_load_with_overrides() -> None:
     cfg = load_config(TINY, ["schedule.name=async1", "schedule.step_chunk=2", "placement.rollout=2"])
     assert (cfg.schedule.name, cfg.placement.rollout, cfg.placement.trainer, cfg.transport.actors) == ("async1", 2, 1, "zmq")
     # The override replaces the config's step_chunk; the config's other token sizes stay, unset ones are left out.
-    assert cfg.schedule_options == {"fragment_groups": 16, "step_chunk": 2, "train_pack": 128, "tag_steps": 2}
+    assert cfg.schedule_options == {"fragment_groups": 16, "step_chunk": 2, "train_pack": 128, "tag_steps": 3}
     assert cfg.rollout.group_size == 8 and cfg.disaggregated
     off = load_config(TINY, ["schedule.name=colocated", "schedule.step_chunk=0"])
     assert not off.disaggregated and "step_chunk" not in off.schedule_options
