@@ -35,7 +35,7 @@ from digenrl.config import Config, config_from_dict
 from digenrl.errors import ActorDied, RemoteError, StalenessViolation
 from digenrl.models import GeneratorModel, cat_cond, load_model, repeat_cond
 from digenrl.models._toy import toy_signal_init
-from digenrl.models.lora import apply_lora, enable_full_finetune
+from digenrl.models.lora import apply_lora, enable_full_finetune, sampling
 from digenrl.rl.noise import initial_keys, initial_latents, transition_noise
 from digenrl.rl.sde import sde_step
 from digenrl.rl.steps import plan_steps
@@ -183,9 +183,15 @@ class FragmentEngine:
                           window=ro.window, window_range=ro.window_bounds(), fraction=ro.fraction,
                           seed=self.cfg.log.seed * 1_000_003 + frag.geo[0])
 
-    @torch.no_grad()
     def advance(self, frags: list[FragmentData], start: int, stop: int) -> None:
-        """Run steps ``[start, stop)`` of ``frags`` (all at ``start``, one version) in batched forwards."""
+        """Run steps ``[start, stop)`` of ``frags`` (all at ``start``, one version) in batched forwards.
+
+        The forwards run with LoRA merged into fp32 weights (:func:`~digenrl.models.lora.sampling`).
+        """
+        with sampling(self.model):
+            self._advance(frags, start, stop)
+
+    def _advance(self, frags: list[FragmentData], start: int, stop: int) -> None:
         ro = self.cfg.rollout
         plans = [self._plan(f) for f in frags]
         sample_ids = [f.sample_ids() for f in frags]
@@ -440,10 +446,10 @@ class RolloutActor(GenerationMixin, Actor):
         return len(keys)
 
 
-@torch.no_grad()
 def probe_velocity(engine: FragmentEngine, seed: int) -> torch.Tensor:
-    """Velocity of the engine's model on seeded noise and a fixed prompt at the first noise level."""
+    """Velocity the engine samples with (LoRA merged as in ``advance``) on seeded noise and a fixed prompt."""
     gen = torch.Generator().manual_seed(seed)
     x = engine.model.prepare_latents(2, generator=gen)
     cond = repeat_cond(engine.model.encode_prompts(["a red square"]), 2)
-    return engine.model.velocity(x, engine.sigmas[0].float().expand(2), cond)
+    with sampling(engine.model):
+        return engine.model.velocity(x, engine.sigmas[0].float().expand(2), cond)

@@ -4,7 +4,8 @@ Two modes, chosen once per model:
 
 * :func:`apply_lora` wraps the per-model default projections (ALGORITHM.md (b)) with peft LoRA
   adapters. ``lora_B`` starts at zero, so the policy equals the reference at step 0 (KL = 0, ratio = 1).
-  The reference forward disables the adapter (no second copy of the weights).
+  The reference forward disables the adapter (no second copy of the weights). Sampling
+  (:func:`sampling`) runs with the adapters merged into float32 base weights, restored exactly after.
 * :func:`enable_full_finetune` makes every transformer parameter trainable and keeps a frozen
   deep copy as the reference (what flow_grpo does under FSDP).
 
@@ -36,6 +37,7 @@ __all__ = [
     "trainable_state_dict",
     "load_trainable_state_dict",
     "reference",
+    "sampling",
     "save_trainable",
     "load_trainable",
 ]
@@ -208,6 +210,36 @@ def reference(model: Any) -> Iterator[Any]:
         tr.enable_adapters()
         for p, flag in flags:
             p.requires_grad_(flag)
+
+
+@contextlib.contextmanager
+def sampling(model: Any) -> Iterator[Any]:
+    """Within the block, ``model`` samples (no gradients) with its LoRA adapters merged into the base weights.
+
+    An unmerged adapter adds two small matmuls per target module: 35% of the tiny Qwen-Image's
+    forward (128 samples, 1 thread: 80 ms unmerged, 52 ms merged; velocity equal within 1e-6
+    relative). Only float32 weights are merged: in bf16/fp16 the merged weight's rounding would
+    swallow small LoRA updates (a rollout/trainer mismatch), so those models sample unmerged. The
+    base weights are copied before the merge and written back after, bit for bit (peft's
+    merge/unmerge alone drifts by rounding). Full fine-tuning and models without LoRA: a no-op.
+    """
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    layers = []
+    if trainable_mode(model) == "lora":
+        layers = [m for m in model.transformer.modules() if isinstance(m, BaseTunerLayer) and not m.merged]
+    if any(layer.get_base_layer().weight.dtype != torch.float32 for layer in layers):
+        layers = []
+    with torch.no_grad():
+        saved = [layer.get_base_layer().weight.detach().clone() for layer in layers]
+        for layer in layers:
+            layer.merge()
+        try:
+            yield model
+        finally:
+            for layer, weight in zip(layers, saved, strict=True):
+                layer.unmerge()
+                layer.get_base_layer().weight.copy_(weight)
 
 
 def save_trainable(model: Any, path: str | Path) -> None:

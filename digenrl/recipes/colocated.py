@@ -30,7 +30,7 @@ from digenrl.config import Config
 from digenrl.actors.coordinator import batch_prompts as coordinator_batch_prompts
 from digenrl.actors.rollout import build_model
 from digenrl.models import GeneratorModel, repeat_cond
-from digenrl.models.lora import reference, save_trainable
+from digenrl.models.lora import reference, sampling, save_trainable
 from digenrl.recipes.prompts import load_prompts
 from digenrl.rewards import build_reward
 from digenrl.rewards.base import GuardedReward
@@ -116,10 +116,11 @@ def iteration(run: ColocatedRun, it: int) -> tuple[dict[str, float], torch.Tenso
     x0 = initial_latents(model, cfg.log.seed, it, initial_keys(sids, g, ro.same_init_noise))
     plan = plan_steps(ro.num_steps, groups, mode=ro.steps, window=ro.window,
                       window_range=ro.window_bounds(), fraction=ro.fraction, seed=seed)  # type: ignore[arg-type]
-    res = rollout_steps(model.velocity, x0, cond, run.sigmas, plan, 0, ro.num_steps, noise_level=ro.noise_level,
-                        kind=ro.sde,  # type: ignore[arg-type]
-                        noise=lambda i: transition_noise(cfg.log.seed, it, sids, i, x0, active=plan.stochastic[:, i]),
-                        policy_version=it)
+    with sampling(model):  # LoRA merged into fp32 weights, as the rollout actors sample
+        res = rollout_steps(model.velocity, x0, cond, run.sigmas, plan, 0, ro.num_steps, noise_level=ro.noise_level,
+                            kind=ro.sde,  # type: ignore[arg-type]
+                            noise=lambda i: transition_noise(cfg.log.seed, it, sids, i, x0, active=plan.stochastic[:, i]),
+                            policy_version=it)
     t1 = time.perf_counter()
     images = model.decode(res.x)
     t2 = time.perf_counter()

@@ -13,6 +13,7 @@ from digenrl.models.lora import (
     load_trainable,
     load_trainable_state_dict,
     reference,
+    sampling,
     save_trainable,
     trainable_parameters,
     trainable_state_dict,
@@ -80,6 +81,47 @@ def test_lora_gradients_reach_only_lora():
         else:
             assert p.grad is not None and p.grad.abs().sum() > 0, n
     assert all(p.grad is None for n, p in m.transformer.named_parameters() if "lora_" not in n)
+
+
+def _base_weights(model):
+    return {n: p.detach().clone() for n, p in model.transformer.named_parameters() if "lora_" not in n}
+
+
+def test_sampling_merges_lora_and_restores_the_base_weights_bit_for_bit():
+    m = load_model("qwenimage", "tiny", seed=0)
+    params = apply_lora(m, rank=4)
+    _perturb(params)
+    x, s, c = _inputs(m)
+    with torch.no_grad():
+        unmerged = m.velocity(x, s, c)
+    m.velocity(x, s, c).square().mean().backward()
+    grads = [None if p.grad is None else p.grad.clone() for p in params]
+    before = _base_weights(m)
+    with sampling(m):
+        inside = _base_weights(m)
+        merged = m.velocity(x, s, c)
+        assert not merged.requires_grad
+    changed = [n for n in before if not torch.equal(before[n], inside[n])]
+    assert changed and all(n.endswith("base_layer.weight") for n in changed)  # merged into the targets only
+    torch.testing.assert_close(merged, unmerged, rtol=1e-5, atol=1e-6)
+    after = _base_weights(m)
+    assert all(torch.equal(before[n], after[n]) for n in before)
+    # Training after sampling: the adapter is active again, with the same forward and gradients as before.
+    for p in params:
+        p.grad = None
+    out = m.velocity(x, s, c)
+    out.square().mean().backward()
+    assert torch.equal(out.detach(), unmerged)
+    assert any(g is not None for g in grads)
+    assert all((p.grad is None and g is None) or torch.equal(p.grad, g) for p, g in zip(params, grads, strict=True))
+
+
+def test_sampling_leaves_bf16_weights_unmerged():
+    m = load_model("qwenimage", "tiny", seed=0, dtype=torch.bfloat16)
+    _perturb(apply_lora(m, rank=4))
+    before = _base_weights(m)
+    with sampling(m):
+        assert all(torch.equal(before[n], p) for n, p in _base_weights(m).items())
 
 
 def test_trainable_state_dict_roundtrip_into_fresh_replica(tmp_path):
