@@ -270,7 +270,8 @@ def run_real_bubbles(schedules: list[str] | None = None, num_batches: int = 8, o
                     pair = {**row, "scenario": "real-2x1thread", "devices": 2, "samples_per_s": sum(rates),
                             "samples_per_s_processes": rates, "wall_s": time.perf_counter() - start,
                             "bubble_per_actor": {"2 independent processes, 1 thread each": 0.0},
-                            "sim_samples_per_s": None, "sim_error": None, "busy_cores_before": load, "threads": 1}
+                            "sim_samples_per_s": None, "sim_error": None, "busy_cores_before": load, "threads": 1,
+                            "full": None, "tokens": None}
                     coloc.setdefault(pair["scenario"], []).append(pair)
                     continue
                 got: list[Any] = []
