@@ -329,7 +329,10 @@ class TrainerActor(GenerationMixin, Actor):
         self.version = version
         self._previous = None
         if (d / PREVIOUS_WEIGHTS).is_file():
-            previous = load_file(str(d / PREVIOUS_WEIGHTS))
+            try:
+                previous = load_file(str(d / PREVIOUS_WEIGHTS))
+            except Exception as exc:  # safetensors raises its own error types for a truncated or garbled file
+                raise ConfigError(f"{d / PREVIOUS_WEIGHTS}: not a readable safetensors file ({exc})") from exc
             own = trainable_state_dict(self.model, copy_tensors=False)
             if previous.keys() != own.keys() or any(previous[k].shape != own[k].shape for k in own):
                 raise ConfigError(f"{d / PREVIOUS_WEIGHTS}: its tensors do not match this model's trainable weights")

@@ -57,6 +57,7 @@ DEFAULT_LORA_TARGETS: dict[str, tuple[str, ...]] = {
 
 _MODE_ATTR = "_digenrl_trainable_mode"
 _REF_ATTR = "_digenrl_reference_transformer"
+_LAYERS_ATTR = "_digenrl_lora_layers"  # the adapter layers, found once: sampling() runs per rollout token
 
 
 def trainable_mode(model: Any) -> str | None:
@@ -103,7 +104,14 @@ def apply_lora(
     with seeded(seed):
         tr.add_adapter(cfg)
     setattr(tr, _MODE_ATTR, "lora")
+    setattr(tr, _LAYERS_ATTR, _lora_layers(tr))
     return trainable_parameters(model)
+
+
+def _lora_layers(module: torch.nn.Module) -> list[Any]:
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    return [m for m in module.modules() if isinstance(m, BaseTunerLayer)]
 
 
 def enable_full_finetune(model: Any) -> list[torch.nn.Parameter]:
@@ -223,23 +231,22 @@ def sampling(model: Any) -> Iterator[Any]:
     base weights are copied before the merge and written back after, bit for bit (peft's
     merge/unmerge alone drifts by rounding). Full fine-tuning and models without LoRA: a no-op.
     """
-    from peft.tuners.tuners_utils import BaseTunerLayer
-
     layers = []
     if trainable_mode(model) == "lora":
-        layers = [m for m in model.transformer.modules() if isinstance(m, BaseTunerLayer) and not m.merged]
-    if any(layer.get_base_layer().weight.dtype != torch.float32 for layer in layers):
-        layers = []
+        layers = [layer for layer in getattr(model.transformer, _LAYERS_ATTR) if not layer.merged]
+    bases = [layer.get_base_layer() for layer in layers]
+    if any(base.weight.dtype != torch.float32 for base in bases):
+        layers, bases = [], []
     with torch.no_grad():
-        saved = [layer.get_base_layer().weight.detach().clone() for layer in layers]
+        saved = [base.weight.detach().clone() for base in bases]
         for layer in layers:
             layer.merge()
         try:
             yield model
         finally:
-            for layer, weight in zip(layers, saved, strict=True):
-                layer.unmerge()
-                layer.get_base_layer().weight.copy_(weight)
+            for layer, base, weight in zip(layers, bases, saved, strict=True):
+                base.weight.copy_(weight)
+                layer.merged_adapters.clear()  # what peft's unmerge() ends with, without recomputing the delta
 
 
 def save_trainable(model: Any, path: str | Path) -> None:

@@ -179,9 +179,10 @@ async def arun_disaggregated(cfg: Config, out_dir: str | Path | None = None, res
             if (ckpt / PREVIOUS_WEIGHTS).is_file():
                 options["previous_version"] = True
             else:
-                log.warning("checkpoint %s has no %s (written before digenrl kept it): batch %d is generated "
-                            "with version %d instead of %d, so the metrics after resume differ slightly from an "
-                            "uninterrupted run", ckpt, PREVIOUS_WEIGHTS, base, base, base - 1)
+                log.warning("checkpoint %s has no %s (written by an on-policy schedule or an older digenrl): "
+                            "batch %d is generated with version %d instead of %d, so the metrics after resume differ "
+                            "slightly from an uninterrupted %s run", ckpt, PREVIOUS_WEIGHTS, base, base, base - 1,
+                            sched.name)
     if base >= cfg.train.iterations:
         return history
     torch.set_num_threads(1)

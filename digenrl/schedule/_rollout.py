@@ -36,7 +36,6 @@ class RolloutMixin:
     version: int
     published: int
     _prev_published: int
-    _first_version: int
     _opened: int
     _speed: SpeedTracker
     _batches: dict[int, BatchState]
@@ -89,11 +88,16 @@ class RolloutMixin:
         info = batch.frags[entry[0]]
         return info.epoch == entry[1] and info.state is state
 
+    @property
+    def _first_version(self) -> int:
+        """The oldest version of the run: -1 after a one-step-stale resume (``previous_version``), else 0."""
+        return -1 if self.opt.previous_version else 0
+
     def _unstarted_batch(self, version: int, only: int | None = None) -> int | None:
         """Lowest open batch with unstarted fragments that start with ``version``.
 
-        Batch ``b`` starts with version ``max(first, b - staleness)`` (``first``: the oldest version
-        of the run, -1 after a one-step-stale resume, else 0). Versions are then a function of the
+        Batch ``b`` starts with version ``max(first, b - staleness)`` (``first``: see
+        ``_first_version``). Versions are then a function of the
         batch, not of timing: a run is reproducible and resumes exactly. Only with no rollout device
         left (they keep the older version) does a trainer start batches ``V..V + staleness`` at ``V``.
         """

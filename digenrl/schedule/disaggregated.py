@@ -110,7 +110,7 @@ class DisaggregatedSchedule(RolloutMixin, TagMixin, DispatchingSchedule):
         self.version = 0  # V: optimizer steps done
         self.published = 0  # newest version on the rollout devices
         # A resumed one-step-stale run starts holding the version before the checkpoint too (-1 here).
-        self._prev_published = self._first_version = -1 if options.previous_version else 0
+        self._prev_published = self._first_version
         self._publish_queue: deque[int] = deque()
         self._optim_running = False
         self._buckets: dict[tuple[int, int, int], deque[Entry]] = {}  # (version, batch, step)

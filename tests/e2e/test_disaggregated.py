@@ -117,6 +117,16 @@ async def test_resume_continues_exactly_like_an_uninterrupted_run(tmp_path: Path
     assert [m["max_staleness"] for m in whole] == ([0, 1, 1] if schedule == "async1" else [0, 0, 0])
 
 
+async def test_resume_from_a_garbled_previous_weights_file_names_it(tmp_path: Path) -> None:
+    common = ("transport.actors=inproc", "schedule.name=async1", "rollout.prompts_per_batch=4", "rollout.num_steps=4",
+              "log.image_every=0", "log.checkpoint_every=1")
+    await arun_disaggregated(_load("train.iterations=1", *common), tmp_path)
+    previous = find_checkpoint(tmp_path) / "previous.safetensors"
+    previous.write_bytes(previous.read_bytes()[:40])
+    with pytest.raises(Exception, match="previous.safetensors: not a readable safetensors file"):
+        await arun_disaggregated(_load("train.iterations=2", *common), tmp_path, resume=tmp_path)
+
+
 @pytest.mark.slow
 async def test_killed_trainer_stops_cleanly_and_the_run_resumes(tmp_path: Path) -> None:
     cfg = _load("train.iterations=3", "log.image_every=0", "log.checkpoint_every=1")
