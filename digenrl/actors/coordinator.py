@@ -97,6 +97,9 @@ class Coordinator:
         checkpoint_every: optimizer steps between checkpoints.
         on_step: called with each optimizer step's metrics.
         on_images: called with ``(step, images)`` for the steps that log sample images.
+        on_dispatch: called with ``(device, token)`` as each token is sent (``token`` as the actor
+            receives it: ``kind``, global ``batch`` and ``version``, fragments...), e.g. to watch
+            an actor start a piece of work.
     """
 
     def __init__(self, cfg: Config, schedule_name: str, devices: list[Device], refs: dict[str, Any],
@@ -105,7 +108,8 @@ class Coordinator:
                  is_dead: Callable[[str], bool] = lambda name: False, weights_lane: str = "zmq",
                  bucket_mb: float = 64.0, checkpoint: Callable[[int, dict[str, Any]], Any] | None = None,
                  checkpoint_every: int = 1, on_step: Callable[[dict[str, Any]], None] | None = None,
-                 on_images: Callable[[int, torch.Tensor], None] | None = None, t0: float | None = None) -> None:
+                 on_images: Callable[[int, torch.Tensor], None] | None = None,
+                 on_dispatch: Callable[[str, dict[str, Any]], None] | None = None, t0: float | None = None) -> None:
         from digenrl.actors.rollout import trained_steps
         from digenrl.recipes.observe import SpanLog
 
@@ -122,6 +126,7 @@ class Coordinator:
         self.checkpoint_every = checkpoint_every
         self.on_step = on_step
         self.on_images = on_images
+        self.on_dispatch = on_dispatch
         if cfg.train.control == "shuffled":
             raise ConfigError("train.control = 'shuffled' permutes advantages across the whole batch, which "
                               "a streaming (GAP) run never holds at once; use the colocated recipe for it")
@@ -216,6 +221,8 @@ class Coordinator:
 
     async def _execute(self, token: Token) -> dict[str, Any]:
         kind, w = token.kind, self._wire(token)
+        if self.on_dispatch is not None:
+            self.on_dispatch(token.device, w)
         ref = self.refs[token.device]
         book = self._book(w["batch"])
         if kind is TokenKind.ROLLOUT:

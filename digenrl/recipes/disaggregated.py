@@ -148,12 +148,14 @@ async def start_cluster(system: ActorSystem, cfg: Config, version: int = 0) -> C
 async def arun_disaggregated(cfg: Config, out_dir: str | Path | None = None, resume: str | Path | None = None, *,
                              cost: CostEstimate | None = None,
                              on_step: Callable[[dict[str, Any]], None] | None = None,
+                             on_dispatch: Callable[[str, dict[str, Any]], None] | None = None,
                              write_files: bool = True,
                              on_result: Callable[[SimResult, list[tuple[Token, float]]], None] | None = None,
                              ) -> list[dict[str, Any]]:
     """Async form of :func:`run_disaggregated` (for callers that already run an event loop).
 
-    ``on_result`` receives the run's spans (as the simulator's ``SimResult``) and every completed
+    ``on_dispatch(device, token)`` sees every token as the coordinator sends it (see
+    :class:`~digenrl.actors.coordinator.Coordinator`). ``on_result`` receives the run's spans (as the simulator's ``SimResult``) and every completed
     token with its measured seconds (benchmarks calibrate the simulator from them).
 
     Raises:
@@ -226,7 +228,7 @@ async def arun_disaggregated(cfg: Config, out_dir: str | Path | None = None, res
             is_dead=cluster.is_dead, weights_lane="torchdist" if transport.weights == "torchdist" else "zmq",
             bucket_mb=transport.bucket_mb, checkpoint=checkpoint if write_files else None,
             checkpoint_every=logc.checkpoint_every, on_step=step_done,
-            on_images=images if write_files else None, t0=t0)
+            on_images=images if write_files else None, on_dispatch=on_dispatch, t0=t0)
         try:
             if live is not None:
                 live.__enter__()

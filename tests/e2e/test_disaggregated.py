@@ -70,29 +70,31 @@ async def test_short_run_over_processes_writes_every_artifact(tmp_path: Path) ->
 
 
 async def test_killed_rollout_actor_its_work_is_reissued_and_nothing_is_lost(tmp_path: Path) -> None:
-    cfg = _load("train.iterations=3", "log.image_every=0", "log.checkpoint_every=0")
-    killed: list[int] = []
+    cfg = _load("train.iterations=4", "log.image_every=0", "log.checkpoint_every=0")
+    killed: list[tuple[int, int]] = []  # (pid, batch of the token it was given)
 
-    def on_step(m: dict) -> None:
-        if m["step"] == 0:
+    def on_dispatch(device: str, token: dict) -> None:
+        # The rollout actor dies the moment it is handed rollout work after the first step: that
+        # token is in flight whatever the machine's speed, so its work must be re-issued.
+        if not killed and device == "rollout-0" and token["kind"] == "rollout" and token["batch"] >= 1:
             pid = _pid_of("digenrl-rollout-0")
             assert pid is not None
-            # Shortly after: the rollout actor is then in the middle of batch 1's tokens.
-            asyncio.get_running_loop().call_later(0.4, os.kill, pid, signal.SIGKILL)
-            killed.append(pid)
+            os.kill(pid, signal.SIGKILL)
+            killed.append((pid, token["batch"]))
 
-    history = await arun_disaggregated(cfg, tmp_path, on_step=on_step)
-    assert killed, "the rollout actor was never killed"
-    assert not psutil.pid_exists(killed[0]) or psutil.Process(killed[0]).status() == psutil.STATUS_ZOMBIE
-    assert [m["step"] for m in history] == [0, 1, 2]
+    history = await arun_disaggregated(cfg, tmp_path, on_dispatch=on_dispatch)
+    assert killed, "the rollout actor was never handed rollout work after step 0"
+    pid, batch = killed[0]
+    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    assert [m["step"] for m in history] == [0, 1, 2, 3]
     assert all(m["rows_trained"] == ROWS and math.isfinite(m["reward_mean"]) for m in history)
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["lost_devices"] == ["rollout-0"]
     trace = json.loads((tmp_path / "trace.json").read_text())
     tids = {e["args"]["name"]: e["tid"] for e in trace["traceEvents"] if e["name"] == "thread_name"}
     helped = [e for e in trace["traceEvents"] if e["ph"] == "X" and e["tid"] == tids["trainer-0"]
-              and e["cat"] == "rollout" and e["args"]["batch"] == 2]
-    assert helped, "after the rollout actor died the trainer must generate (TAG)"
+              and e["cat"] == "rollout" and e["args"]["batch"] == batch]
+    assert helped, "the trainer must generate the dead actor's work (TAG)"
 
 
 @pytest.mark.parametrize("schedule", ["disaggregated", "async1"])
@@ -131,13 +133,15 @@ async def test_resume_from_a_garbled_previous_weights_file_names_it(tmp_path: Pa
 async def test_killed_trainer_stops_cleanly_and_the_run_resumes(tmp_path: Path) -> None:
     cfg = _load("train.iterations=3", "log.image_every=0", "log.checkpoint_every=1")
 
-    def on_step(m: dict) -> None:
-        if m["step"] == 1:
+    def on_dispatch(device: str, token: dict) -> None:
+        # Batch 2 trains only after version 2 exists and was checkpointed (on-policy schedule).
+        if device == "trainer-0" and token["kind"] == "train" and token["batch"] == 2:
             pid = _pid_of("digenrl-trainer-0")
-            asyncio.get_running_loop().call_later(0.3, os.kill, pid, signal.SIGKILL)
+            if pid is not None:
+                os.kill(pid, signal.SIGKILL)
 
     with pytest.raises(RunStopped, match="trainer trainer-0 died.*resume with --resume"):
-        await arun_disaggregated(cfg, tmp_path, on_step=on_step)
+        await arun_disaggregated(cfg, tmp_path, on_dispatch=on_dispatch)
     ckpt = find_checkpoint(tmp_path)
     assert ckpt.name == "step-000002" and load_state(ckpt)["version"] == 2
     history = await arun_disaggregated(cfg, tmp_path, resume=tmp_path)
