@@ -89,7 +89,7 @@ def _run_actors(cfg: Config, out_dir: Path, resume: Path | None,
                 console: Console) -> list[dict[str, Any]]:
     from dataclasses import replace
 
-    from digenrl.actors.coordinator import RunStopped
+    from digenrl.roles.coordinator import RunStopped
     from digenrl.recipes.disaggregated import run_disaggregated
 
     try:

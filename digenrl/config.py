@@ -209,7 +209,7 @@ class DataConfig:
     prompt_file: str = ""  # one prompt per line
 
     def __post_init__(self) -> None:
-        from digenrl.recipes.prompts import PROMPT_SETS
+        from digenrl.data.prompts import PROMPT_SETS
 
         if not self.prompts and not self.prompt_file:
             _choice("data.prompt_set", self.prompt_set, tuple(PROMPT_SETS))

@@ -1,4 +1,8 @@
-"""The layering of DESIGN.md §4: each layer imports only from the layers below it."""
+"""The layering of DESIGN.md §4: each layer imports only from the layers below it.
+
+transport → actors (the generic runtime) → telemetry → data / models / rewards → rl → schedule →
+sim, config → policy → roles → recipes (→ cli). ``digenrl.errors`` is the ground every layer may use.
+"""
 
 from __future__ import annotations
 
@@ -8,25 +12,29 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "digenrl"
-RUNTIME = {"base", "_wire", "_node", "_mailbox", "_agent", "_child", "process", "system", "worker", "__init__"}
 
 # What each layer may import from digenrl (besides itself and digenrl.errors).
+_CORE = {"transport", "actors", "telemetry"}
 ALLOWED: dict[str, set[str]] = {
     "transport": set(),
-    "runtime": {"transport"},
+    "actors": {"transport"},
+    "telemetry": set(),
+    "data": set(),
     "models": set(),
     "rewards": set(),
     "rl": {"models"},
     "schedule": set(),
-    "sim": {"schedule"},
+    "sim": {"schedule", "telemetry"},
+    "config": {"schedule", "data", "models", "rewards", "rl"},
+    "policy": {"config", "models"},
+    "roles": _CORE | {"config", "policy", "data", "models", "rewards", "rl", "schedule"},
+    "recipes": _CORE | {"config", "policy", "roles", "data", "models", "rewards", "rl", "schedule", "sim"},
 }
 
 
-def _layer_of(path: Path) -> str | None:
-    parts = path.relative_to(PACKAGE).parts
-    if parts[0] == "actors":
-        return "runtime" if path.stem in RUNTIME else None
-    return parts[0] if parts[0] in ALLOWED else None
+def _layer(parts: tuple[str, ...]) -> str | None:
+    name = parts[0].removesuffix(".py")
+    return name if name in ALLOWED else None
 
 
 def _imported_layers(path: Path) -> set[str]:
@@ -37,18 +45,30 @@ def _imported_layers(path: Path) -> set[str]:
             names = [node.module]
         for name in names:
             parts = name.split(".")
-            if parts[0] != "digenrl" or len(parts) < 2 or parts[1] == "errors":
-                continue
-            if parts[1] == "actors":
-                layers.add("runtime" if len(parts) < 3 or parts[2] in RUNTIME else "roles")
-            else:
+            if parts[0] == "digenrl" and len(parts) >= 2 and parts[1] != "errors":
                 layers.add(parts[1])
     return layers
 
 
-@pytest.mark.parametrize("path", sorted(p for p in PACKAGE.rglob("*.py") if _layer_of(p)), ids=str)
+@pytest.mark.parametrize("path", sorted(p for p in PACKAGE.rglob("*.py")
+                                        if _layer(p.relative_to(PACKAGE).parts)), ids=str)
 def test_no_upward_imports(path: Path) -> None:
-    layer = _layer_of(path)
+    layer = _layer(path.relative_to(PACKAGE).parts)
     assert layer is not None
     upward = _imported_layers(path) - ALLOWED[layer] - {layer}
     assert not upward, f"{path.relative_to(PACKAGE)} (layer {layer}) imports {sorted(upward)}"
+
+
+def test_every_module_belongs_to_a_layer() -> None:
+    """A new package or top-level module must take its place in the layering first."""
+    stray = [str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.py")
+             if not _layer(p.relative_to(PACKAGE).parts) and p.relative_to(PACKAGE).parts[0]
+             not in ("__init__.py", "errors.py")]
+    assert not stray, f"modules outside the layering: {stray}"
+
+
+def test_the_runtime_holds_only_runtime_files() -> None:
+    """digenrl/actors is what a user embeds: no RL role lives there."""
+    files = {p.stem for p in (PACKAGE / "actors").glob("*.py")}
+    assert files == {"__init__", "base", "_context", "_mailbox", "_node", "_wire", "_agent", "_child", "process",
+                     "system", "worker"}

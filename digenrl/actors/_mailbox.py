@@ -32,12 +32,10 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from digenrl.actors._context import NodeLink
 from digenrl.actors.base import Actor, ActorRef, Endpoint
-
-if TYPE_CHECKING:
-    from digenrl.actors._node import Node
 
 __all__ = ["ActorHost", "State"]
 
@@ -70,7 +68,7 @@ class _Request:
 class ActorHost:
     """Runs one actor on a node. Created by ``Node.host``; see the module docstring."""
 
-    def __init__(self, node: Node, name: str, actor: Actor) -> None:
+    def __init__(self, node: NodeLink, name: str, actor: Actor) -> None:
         self.node = node
         self.name = name
         self.actor = actor

@@ -29,15 +29,14 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from digenrl.actors import _wire
-from digenrl.actors.base import Actor, ActorRef, current_node, decode_refs, encode_refs
+from digenrl.actors._context import current_node
+from digenrl.actors._mailbox import ActorHost
+from digenrl.actors.base import Actor, ActorRef, decode_refs, encode_refs
 from digenrl.errors import ActorDied, ProtocolError, TransportBroken, TransportClosed
 from digenrl.transport.base import Message, Transport
-
-if TYPE_CHECKING:
-    from digenrl.actors._mailbox import ActorHost
 
 __all__ = ["Node"]
 
@@ -323,8 +322,6 @@ class Node:
             ValueError: the name is taken on this node.
             BaseException: whatever ``setup`` raised (after ``__cleanup__`` ran).
         """
-        from digenrl.actors._mailbox import ActorHost
-
         if name in self.hosts:
             raise ValueError(f"an actor named {name!r} already runs on node {self.name}")
         host = ActorHost(self, name, actor)

@@ -28,23 +28,18 @@ and its result type flows to the caller; at run time ``ref.add`` is a remote end
 from __future__ import annotations
 
 import asyncio
-import contextvars
 import functools
 import inspect
 from collections.abc import Awaitable, Callable, Iterable, Sequence
-from typing import TYPE_CHECKING, Any, ClassVar, Concatenate, Generic, ParamSpec, Protocol, Self, TypeVar, overload
+from typing import Any, ClassVar, Concatenate, Generic, ParamSpec, Protocol, Self, TypeVar, overload
 
-if TYPE_CHECKING:
-    from digenrl.actors._node import Node
+from digenrl.actors._context import NodeLink, current_node
 
 __all__ = ["Actor", "ActorRef", "BoundEndpoint", "Endpoint", "broadcast", "endpoint"]
 
 P = ParamSpec("P")
 R = TypeVar("R")
 A = TypeVar("A", bound="Actor")
-
-#: The node (transport endpoint) that refs created or decoded in this context send through.
-current_node: contextvars.ContextVar[Node | None] = contextvars.ContextVar("digenrl_node", default=None)
 
 # ActorRef attributes an endpoint name may not shadow (``ref.call`` must stay the ref's method).
 _RESERVED = frozenset({"call", "tell", "name", "address", "ref", "to_dict", "from_dict", "bind", "actor_class"})
@@ -257,7 +252,7 @@ class ActorRef(Generic[A]):
 
     __slots__ = ("name", "address", "actor_class", "_node")
 
-    def __init__(self, name: str, address: str, *, actor_class: type[A] | None = None, node: Node | None = None) -> None:
+    def __init__(self, name: str, address: str, *, actor_class: type[A] | None = None, node: NodeLink | None = None) -> None:
         self.name = name
         self.address = address
         self.actor_class = actor_class
@@ -307,7 +302,7 @@ class ActorRef(Generic[A]):
         return {"name": self.name, "address": self.address}
 
     @classmethod
-    def from_dict(cls, data: object, *, node: Node | None = None) -> ActorRef[Any]:
+    def from_dict(cls, data: object, *, node: NodeLink | None = None) -> ActorRef[Any]:
         """Rebuild a ref from ``to_dict()`` output.
 
         Raises:
@@ -320,7 +315,7 @@ class ActorRef(Generic[A]):
                 raise ValueError(f"actor ref field {key!r} must be a non-empty string, got {data.get(key)!r}")
         return cls(data["name"], data["address"], node=node)
 
-    def bind(self, node: Node) -> ActorRef[A]:
+    def bind(self, node: NodeLink) -> ActorRef[A]:
         """A copy of this ref that sends through ``node``."""
         return ActorRef(self.name, self.address, actor_class=self.actor_class, node=node)
 
@@ -330,7 +325,7 @@ class ActorRef(Generic[A]):
             known = ", ".join(sorted(self.actor_class.endpoints)) or "none"
             raise exc(f"{self.actor_class.__qualname__} has no endpoint {method!r} (endpoints: {known})")
 
-    def _bound_node(self) -> Node:
+    def _bound_node(self) -> NodeLink:
         node = self._node if self._node is not None and not self._node.closed else current_node.get()
         if node is None or node.closed:
             raise RuntimeError(
@@ -412,7 +407,7 @@ def encode_refs(obj: Any) -> Any:
     return obj
 
 
-def decode_refs(obj: Any, node: Node) -> Any:
+def decode_refs(obj: Any, node: NodeLink) -> Any:
     """Turn marker dicts back into ``ActorRef``s bound to ``node``.
 
     Raises:

@@ -36,8 +36,9 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from digenrl.actors import _agent, _wire
+from digenrl.actors._context import current_node
 from digenrl.actors._node import Node
-from digenrl.actors.base import Actor, ActorRef, current_node
+from digenrl.actors.base import Actor, ActorRef
 from digenrl.actors.process import ChildProcess, describe_exit
 from digenrl.errors import ActorDied, ConfigError, DigenrlError, RemoteError
 from digenrl.transport import make_transport

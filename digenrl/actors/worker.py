@@ -25,8 +25,9 @@ import socket
 import time
 
 from digenrl.actors import _agent
+from digenrl.actors._context import current_node
 from digenrl.actors._node import Node
-from digenrl.actors.base import ActorRef, current_node
+from digenrl.actors.base import ActorRef
 from digenrl.errors import DigenrlError
 from digenrl.transport import make_transport
 

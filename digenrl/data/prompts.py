@@ -1,12 +1,14 @@
-"""Small built-in prompt sets, one per weight-free reward, so a run needs no dataset download."""
+"""The prompts of a run: small built-in sets (one per weight-free reward, so a run needs no dataset
+download), a user's list or file, and which prompts each logical batch gets."""
 
 from __future__ import annotations
 
+import random
 from pathlib import Path
 
 from digenrl.errors import ConfigError
 
-__all__ = ["PROMPT_SETS", "load_prompts"]
+__all__ = ["PROMPT_SETS", "load_prompts", "batch_prompts"]
 
 _COLOR_WORDS = ("red", "green", "blue", "yellow", "cyan", "magenta", "white", "black")
 _SHAPES = ("square", "circle")
@@ -42,3 +44,16 @@ def load_prompts(prompt_set: str = "color", prompts: list[str] | None = None, pr
     if prompt_set not in PROMPT_SETS:
         raise ConfigError(f"data.prompt_set: unknown set {prompt_set!r}; allowed: {', '.join(PROMPT_SETS)}")
     return list(PROMPT_SETS[prompt_set])
+
+
+def batch_prompts(prompts: list[str], seed: int, batch: int, count: int) -> list[str]:
+    """The prompts of logical batch ``batch``: a pure function, so resuming needs only the batch index.
+
+    The colocated loop and the actors' coordinator both use it, so their batches hold the same prompts.
+    """
+    rng = random.Random(seed * 1_000_003 + batch)
+    if count <= len(prompts):
+        return rng.sample(prompts, count)
+    # More prompts than the pool: whole shuffled passes, so every prompt appears equally often.
+    passes = [p for _ in range(-(-count // len(prompts))) for p in rng.sample(prompts, len(prompts))]
+    return passes[:count]

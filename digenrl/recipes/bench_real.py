@@ -40,11 +40,11 @@ from typing import Any
 
 from digenrl.config import ACTOR_SCHEDULES, load_config
 from digenrl.errors import ConfigError
-from digenrl.recipes.observe import window_bubbles
 from digenrl.schedule import make_schedule
 from digenrl.schedule.base import Device, Role, Token, TokenKind, Workload
-from digenrl.sim.engine import SimResult, simulate
-from digenrl.sim.metrics import summarize
+from digenrl.sim.engine import simulate
+from digenrl.telemetry.spans import Timeline, window_bubbles
+from digenrl.telemetry.stats import summarize
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +100,7 @@ class MeasuredCost:
 
 
 def _colocated(cfg: Any, iterations: int) -> tuple[dict[str, Any], MeasuredCost, Workload]:
-    from digenrl.actors.rollout import trained_steps
+    from digenrl.policy import trained_steps
     from digenrl.recipes.colocated import train
 
     history = train(cfg, write_files=False)
@@ -162,12 +162,12 @@ def _load(sample_s: float = 0.5) -> float:
     return busy
 
 
-def _steady(result: SimResult) -> tuple[float, float]:
+def _steady(result: Timeline) -> tuple[float, float]:
     first = result.optim_end.get(min(result.optim_end), 0.0) if len(result.optim_end) > 1 else 0.0
     return first, max(result.optim_end.values(), default=result.wall)
 
 
-def _row(name: str, schedule: str, result: SimResult, sim: SimResult | None, measured_sps: float,
+def _row(name: str, schedule: str, result: Timeline, sim: Timeline | None, measured_sps: float,
          wall: float, devices: list[Device]) -> dict[str, Any]:
     st = summarize(result)
     s, f = st.steady, st.full
@@ -224,7 +224,7 @@ def run_real_bubbles(schedules: list[str] | None = None, num_batches: int = 8, o
     import tempfile
 
     from digenrl.recipes.disaggregated import arun_disaggregated
-    from digenrl.sim.trace import write_gantt
+    from digenrl.telemetry.trace import write_gantt
 
     chosen = list(schedules or REAL_DEFAULT_SCHEDULES)
     for s in chosen:
@@ -240,7 +240,7 @@ def run_real_bubbles(schedules: list[str] | None = None, num_batches: int = 8, o
     assert root is not None
     root.mkdir(parents=True, exist_ok=True)
     # schedule -> one (result, tokens, wall, devices, load, steady samples/s) per round
-    runs: dict[str, list[tuple[SimResult, list[tuple[Token, float]], float, list[Device], float, float]]] = {}
+    runs: dict[str, list[tuple[Timeline, list[tuple[Token, float]], float, list[Device], float, float]]] = {}
     coloc: dict[str, list[dict[str, Any]]] = {}  # colocated scenario -> one row per round
     rows: list[dict[str, Any]] = []
     try:

@@ -27,11 +27,10 @@ from typing import Any
 import torch
 
 from digenrl.config import Config
-from digenrl.actors.coordinator import batch_prompts as coordinator_batch_prompts
-from digenrl.actors.rollout import build_model
+from digenrl.data.prompts import batch_prompts, load_prompts
 from digenrl.models import GeneratorModel, repeat_cond
 from digenrl.models.lora import reference, sampling, save_trainable
-from digenrl.recipes.prompts import load_prompts
+from digenrl.policy import build_model
 from digenrl.rewards import build_reward
 from digenrl.rewards.base import GuardedReward
 from digenrl.rl.advantages import group_advantages
@@ -40,6 +39,7 @@ from digenrl.rl.noise import initial_keys, initial_latents, transition_noise
 from digenrl.rl.rollout import TransitionBatch, rollout_steps
 from digenrl.rl.steps import plan_steps
 from digenrl.rl.tsp import packed_backward
+from digenrl.telemetry.metrics import LOSS_KEYS, MetricsLog, StepMetrics
 
 __all__ = ["ColocatedRun", "setup", "iteration", "train", "default_out_dir", "save_grid", "summarize"]
 
@@ -58,6 +58,8 @@ class ColocatedRun:
     prompts: list[str]
     sigmas: torch.Tensor
     loss_cfg: LossConfig
+    t0: float = 0.0  # time.perf_counter() at the start of the run
+    last_end: float = 0.0  # ... at the end of the previous iteration
 
 
 def default_out_dir() -> Path:
@@ -87,6 +89,7 @@ def setup(cfg: Config) -> ColocatedRun:
         prompts=prompts,
         sigmas=model.sigmas(cfg.rollout.num_steps),
         loss_cfg=LossConfig(clip_range=t.clip_range, kl_beta=t.kl_beta, kl_kind=t.kl),  # type: ignore[arg-type]
+        t0=time.perf_counter(), last_end=time.perf_counter(),
     )
 
 
@@ -98,17 +101,17 @@ def _ref_velocity(model: GeneratorModel) -> Callable[..., torch.Tensor]:
     return ref
 
 
-def iteration(run: ColocatedRun, it: int) -> tuple[dict[str, float], torch.Tensor, list[str]]:
-    """One Flow-GRPO iteration; returns its metrics, the decoded images and the prompts."""
+def iteration(run: ColocatedRun, it: int) -> tuple[dict[str, Any], torch.Tensor, list[str]]:
+    """One Flow-GRPO iteration; returns its metrics line (:class:`StepMetrics`), the decoded images and the prompts."""
     cfg, model = run.cfg, run.model
     ro, tr = cfg.rollout, cfg.train
     t0 = time.perf_counter()
     # The dataset position is the iteration: the same prompts as the disaggregated coordinator's batch.
-    batch_prompts = coordinator_batch_prompts(run.prompts, cfg.log.seed, it, ro.prompts_per_batch)
+    chosen = batch_prompts(run.prompts, cfg.log.seed, it, ro.prompts_per_batch)
     g = ro.group_size
-    prompts = [p for p in batch_prompts for _ in range(g)]
-    groups = torch.arange(len(batch_prompts)).repeat_interleave(g)
-    cond = repeat_cond(model.encode_prompts(batch_prompts), g)
+    prompts = [p for p in chosen for _ in range(g)]
+    groups = torch.arange(len(chosen)).repeat_interleave(g)
+    cond = repeat_cond(model.encode_prompts(chosen), g)
     seed = cfg.log.seed * 1_000_003 + it
     gen = torch.Generator().manual_seed(seed)
     # Per-sample noise (digenrl/rl/noise.py): the same samples as an on-policy disaggregated run.
@@ -124,7 +127,9 @@ def iteration(run: ColocatedRun, it: int) -> tuple[dict[str, float], torch.Tenso
     t1 = time.perf_counter()
     images = model.decode(res.x)
     t2 = time.perf_counter()
+    failures = run.reward.failures
     rewards = run.reward.score(images, prompts)
+    failed = len(prompts) if run.reward.failures > failures else 0  # a failed call penalises all its samples
     t3 = time.perf_counter()
     adv = group_advantages(rewards, groups, std=tr.adv_std, clip=tr.adv_clip)  # type: ignore[arg-type]
     a = adv.advantages
@@ -136,13 +141,20 @@ def iteration(run: ColocatedRun, it: int) -> tuple[dict[str, float], torch.Tenso
     batch: TransitionBatch = res.transitions.rows(keep)
     stats = _train_step(run, batch, cond, a)
     t4 = time.perf_counter()
-    metrics: dict[str, float] = {"iteration": float(it), **adv.stats, **stats}
-    comps = getattr(run.reward.inner, "last_components", {})
-    for name, s in comps.items():
-        metrics[f"reward/{name}"] = float(s.mean())
-    metrics.update(reward_failures=float(run.reward.failures), t_rollout=t1 - t0, t_decode=t2 - t1,
-                   t_reward=t3 - t2, t_train=t4 - t3, seconds=t4 - t0)
-    return metrics, images, prompts
+    seconds, run.last_end = t4 - run.last_end, t4
+    comps = {} if failed else getattr(run.reward.inner, "last_components", {})
+    bubble = max(0.0, 1.0 - (t4 - t0) / seconds)  # the one process idles only between iterations (files)
+    metrics = StepMetrics(
+        step=it, version=it + 1, time=t4 - run.t0, seconds=seconds, samples_per_s=len(prompts) / seconds,
+        reward_mean=adv.stats["reward_mean"], reward_std=adv.stats["reward_std"],
+        reward_std_mean=adv.stats["reward_std_mean"], reward_failures=failed,
+        zero_std_ratio=adv.stats["zero_std_ratio"], adv_abs_mean=adv.stats["adv_abs_mean"],
+        rows_trained=len(res.transitions), rows_kept=len(batch), **{k: stats.get(k, 0.0) for k in LOSS_KEYS},
+        grad_norm=stats["grad_norm"], max_staleness=0, bubble_ratio={"colocated": bubble, "overall": bubble},
+        t_rollout=t1 - t0, t_decode=t2 - t1, t_reward=t3 - t2, t_train=t4 - t3,
+        rewards={name: float(s.mean()) for name, s in comps.items()},
+    )
+    return metrics.line(), images, prompts
 
 
 def _train_step(run: ColocatedRun, batch: TransitionBatch, cond: dict[str, torch.Tensor], adv: torch.Tensor) -> dict[str, float]:
@@ -184,10 +196,10 @@ def train(
     cfg: Config,
     *,
     out_dir: str | Path | None = None,
-    on_iteration: Callable[[dict[str, float]], None] | None = None,
+    on_iteration: Callable[[dict[str, Any]], None] | None = None,
     write_files: bool = True,
-) -> list[dict[str, float]]:
-    """Run ``cfg.train.iterations`` iterations; returns one metrics dict per iteration.
+) -> list[dict[str, Any]]:
+    """Run ``cfg.train.iterations`` iterations; returns one metrics line per iteration.
 
     Args:
         cfg: the validated config.
@@ -209,31 +221,28 @@ def train(
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
         log.info("run: writing to %s", out)
-    history: list[dict[str, float]] = []
+    history: list[dict[str, Any]] = []
     every = cfg.log.image_every
-    metrics_file = (out / "metrics.jsonl").open("a") if write_files else None
+    metrics = MetricsLog(out if write_files else None, cfg.log.tensorboard)
     try:
         for it in range(cfg.train.iterations):
-            metrics, images, _ = iteration(run, it)
-            history.append(metrics)
-            if metrics_file is not None:
-                metrics_file.write(json.dumps(metrics) + "\n")
-                metrics_file.flush()
-                if every and (it % every == 0 or it == cfg.train.iterations - 1):
-                    save_grid(images[: cfg.log.images_per_grid], out / "samples" / f"iter_{it:05d}.png",
-                              columns=cfg.rollout.group_size)
-            log.debug("iteration %d: %s", it, metrics)
+            line, images, _ = iteration(run, it)
+            history.append(line)
+            metrics.write(line)
+            if write_files and every and (it % every == 0 or it == cfg.train.iterations - 1):
+                save_grid(images[: cfg.log.images_per_grid], out / "samples" / f"step_{it:05d}.png",
+                          columns=cfg.rollout.group_size)
+            log.debug("iteration %d: %s", it, line)
             if on_iteration is not None:
-                on_iteration(metrics)
+                on_iteration(line)
     finally:
-        if metrics_file is not None:
-            metrics_file.close()
+        metrics.close()
     if write_files:
         save_trainable(run.model, out / "trainable.safetensors")
     return history
 
 
-def summarize(history: list[dict[str, float]], window: int = 5) -> dict[str, Any]:
+def summarize(history: list[dict[str, Any]], window: int = 5) -> dict[str, Any]:
     """First/last-window reward means and their difference."""
     rewards = [h["reward_mean"] for h in history]
     w = min(window, max(len(rewards) // 2, 1))

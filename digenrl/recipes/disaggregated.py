@@ -9,7 +9,7 @@ Setup (torchtune-style, everything built before the first token): spawn the trai
 reward actors (one process each, titled ``digenrl-<role>-<i>``; ``transport.actors = "inproc"`` keeps
 them in this process for tests), hand every actor the others' refs, join the torch.distributed
 weight lane when configured, restore the checkpoint when resuming, then let the
-:class:`~digenrl.actors.coordinator.Coordinator` drive the schedule. ``schedule.name = "colocated"``
+:class:`~digenrl.roles.coordinator.Coordinator` drive the schedule. ``schedule.name = "colocated"``
 runs the single-process reference loop (:func:`digenrl.recipes.colocated.train`) instead.
 
 Outputs in ``out_dir``: ``config.json``, ``metrics.jsonl`` (one line per optimizer step),
@@ -32,19 +32,22 @@ from typing import Any
 import torch
 
 from digenrl.actors import ActorSystem
-from digenrl.actors.coordinator import Coordinator, RunStopped
-from digenrl.actors.reward import RewardActor
-from digenrl.actors.rollout import RolloutActor
-from digenrl.actors.trainer import PREVIOUS_WEIGHTS, TrainerActor
 from digenrl.config import ACTOR_SCHEDULES, Config
+from digenrl.data.prompts import load_prompts
 from digenrl.errors import ConfigError
 from digenrl.recipes.checkpoint import find_checkpoint, load_state, save_checkpoint
-from digenrl.recipes.observe import LiveDisplay, MetricsLog, run_stats, write_artifacts
-from digenrl.recipes.prompts import load_prompts
+from digenrl.roles.coordinator import Coordinator, RunStopped
+from digenrl.roles.reward import RewardActor
+from digenrl.roles.rollout import RolloutActor
+from digenrl.roles.trainer import PREVIOUS_WEIGHTS, TrainerActor
 from digenrl.schedule.base import CostEstimate, Device, Role, Token
 from digenrl.schedule.cost import UniformCost
 from digenrl.schedule.options import PRESETS
-from digenrl.sim.engine import SimResult
+from digenrl.telemetry.live import LiveDisplay
+from digenrl.telemetry.metrics import MetricsLog
+from digenrl.telemetry.spans import Timeline
+from digenrl.telemetry.stats import run_stats
+from digenrl.telemetry.trace import write_artifacts
 
 __all__ = ["run_disaggregated", "arun_disaggregated", "tiny_cpu_cost", "Cluster", "start_cluster"]
 
@@ -150,12 +153,12 @@ async def arun_disaggregated(cfg: Config, out_dir: str | Path | None = None, res
                              on_step: Callable[[dict[str, Any]], None] | None = None,
                              on_dispatch: Callable[[str, dict[str, Any]], None] | None = None,
                              write_files: bool = True,
-                             on_result: Callable[[SimResult, list[tuple[Token, float]]], None] | None = None,
+                             on_result: Callable[[Timeline, list[tuple[Token, float]]], None] | None = None,
                              ) -> list[dict[str, Any]]:
     """Async form of :func:`run_disaggregated` (for callers that already run an event loop).
 
     ``on_dispatch(device, token)`` sees every token as the coordinator sends it (see
-    :class:`~digenrl.actors.coordinator.Coordinator`). ``on_result`` receives the run's spans (as the simulator's ``SimResult``) and every completed
+    :class:`~digenrl.roles.coordinator.Coordinator`). ``on_result`` receives the run's spans (a :class:`~digenrl.telemetry.spans.Timeline`, as the simulator's) and every completed
     token with its measured seconds (benchmarks calibrate the simulator from them).
 
     Raises:
@@ -240,7 +243,7 @@ async def arun_disaggregated(cfg: Config, out_dir: str | Path | None = None, res
             if live is not None:
                 live.__exit__(None, None, None)
             metrics.close()
-            result = coordinator.spans.result(sched.name, cluster.devices, coordinator.workload,
+            result = coordinator.spans.timeline(sched.name, cluster.devices, coordinator.workload,
                                               time.time() - t0)
             if on_result is not None:
                 on_result(result, coordinator.token_log)

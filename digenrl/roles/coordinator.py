@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -36,13 +35,17 @@ from typing import Any
 import torch
 
 from digenrl.config import Config
+from digenrl.data.prompts import batch_prompts
 from digenrl.errors import ActorDied, ConfigError, DigenrlError, StalenessViolation
+from digenrl.policy import trained_steps
 from digenrl.rl.advantages import GroupAssembler
 from digenrl.rl.loss import reduce_stats
 from digenrl.schedule import make_schedule
 from digenrl.schedule.base import CostEstimate, Device, DeviceDied, Role, Schedule, Token, TokenDone, TokenKind, Workload
+from digenrl.telemetry.metrics import LOSS_KEYS, PHASE_KEYS, StepMetrics
+from digenrl.telemetry.spans import SpanLog, window_bubbles
 
-__all__ = ["Coordinator", "RunStopped", "batch_prompts"]
+__all__ = ["Coordinator", "RunStopped"]
 
 log = logging.getLogger(__name__)
 
@@ -51,14 +54,8 @@ class RunStopped(DigenrlError):
     """The run cannot continue (a trainer died, or the schedule failed); the message says how to resume."""
 
 
-def batch_prompts(prompts: list[str], seed: int, batch: int, count: int) -> list[str]:
-    """The prompts of logical batch ``batch``: a pure function, so resuming needs only the batch index."""
-    rng = random.Random(seed * 1_000_003 + batch)
-    if count <= len(prompts):
-        return rng.sample(prompts, count)
-    # More prompts than the pool: whole shuffled passes, so every prompt appears equally often.
-    passes = [p for _ in range(-(-count // len(prompts))) for p in rng.sample(prompts, len(prompts))]
-    return passes[:count]
+# Where a token's seconds count in its batch's phase times (REWARD: minus its decode, counted apart).
+_PHASE = {TokenKind.ROLLOUT: "t_rollout", TokenKind.REWARD: "t_reward", TokenKind.TRAIN: "t_train"}
 
 
 @dataclass
@@ -75,6 +72,10 @@ class _Book:
     stored_at: dict[int, str] = field(default_factory=dict)
     images: dict[int, torch.Tensor] = field(default_factory=dict)
     staleness: int = 0
+    components: dict[str, list[float]] = field(default_factory=dict)  # reward name -> per-sample scores
+    failed: int = 0  # samples scored with the failure penalty
+    group_std: list[float] = field(default_factory=list)
+    phase: dict[str, float] = field(default_factory=dict)  # PHASE_KEYS -> seconds of this batch's tokens
 
 
 class Coordinator:
@@ -110,9 +111,6 @@ class Coordinator:
                  checkpoint_every: int = 1, on_step: Callable[[dict[str, Any]], None] | None = None,
                  on_images: Callable[[int, torch.Tensor], None] | None = None,
                  on_dispatch: Callable[[str, dict[str, Any]], None] | None = None, t0: float | None = None) -> None:
-        from digenrl.actors.rollout import trained_steps
-        from digenrl.recipes.observe import SpanLog
-
         self.cfg = cfg
         self.devices = list(devices)
         self.refs = refs
@@ -284,6 +282,7 @@ class Coordinator:
         results = await asyncio.gather(*(self.refs[n].optim.call(batch, book.kept_rows, group, k)
                                          for n, k in zip(group, keep, strict=True)))
         for name, res in zip(group, results, strict=True):
+            book.phase["t_train"] = book.phase.get("t_train", 0.0) + res["t1"] - res["t0"]
             self.spans.add(name, TokenKind.OPTIM, batch, -1, token.policy_version + self.base, res["t0"], res["t1"],
                            helper=False, token=token.id)
         metrics = self._step_metrics(batch, book, results[0])
@@ -325,11 +324,18 @@ class Coordinator:
             self.spans.add(token.device, kind, batch, token.fragment, token.policy_version + self.base,
                            result["t0"], result["t1"], token.num_samples, token.helper, token.id)
         book = self._books.get(batch)
+        if book is not None and kind in _PHASE:
+            book.phase[_PHASE[kind]] = book.phase.get(_PHASE[kind], 0.0) + result["t1"] - result["t0"]
         if kind is TokenKind.REWARD and book is not None:
+            book.phase["t_reward"] -= result["decode_s"]
+            book.phase["t_decode"] = book.phase.get("t_decode", 0.0) + result["decode_s"]
+            book.failed += result["failed"]
             completed = []
-            for frag, rewards in zip(token.fragments, result["rewards"], strict=True):
+            for frag, rewards, comps in zip(token.fragments, result["rewards"], result["components"], strict=True):
                 book.stored_at[frag.index] = result["store"]
                 book.rewards.extend(float(r) for r in rewards)
+                for name, scores in comps.items():
+                    book.components.setdefault(name, []).extend(float(x) for x in scores)
                 prompts = [frag.prompt_start + i // frag.num_members for i in range(frag.num_samples)]
                 completed += book.assembler.add(prompts, frag.sample_ids(), rewards)
             for imgs, frag in zip(result.get("images", []), token.fragments, strict=False):
@@ -337,6 +343,7 @@ class Coordinator:
             for group in completed:
                 book.groups += 1
                 book.zero_groups += group.zero_std
+                book.group_std.append(float(group.rewards.double().std(unbiased=False)))
                 for sid, a in zip(group.sample_ids, group.advantages.tolist(), strict=True):
                     book.adv[sid] = (a, group.zero_std)
             if completed:
@@ -357,8 +364,6 @@ class Coordinator:
             self._adv_ready.notify_all()
 
     def _step_metrics(self, batch: int, book: _Book, optim: dict[str, Any]) -> dict[str, Any]:
-        from digenrl.recipes.observe import window_bubbles
-
         end = time.time()
         start_rel, end_rel = self._last_optim - self.t0, end - self.t0
         running = {d: t - self.t0 for d, t in self._dispatched.items()}
@@ -369,16 +374,18 @@ class Coordinator:
         stats = reduce_stats(book.sums) if book.sums else {}
         seconds = end - self._last_optim
         self._last_optim = end
-        metrics: dict[str, Any] = {
-            "step": batch, "reward_mean": float(rewards.mean()), "reward_std": float(rewards.std(unbiased=False)),
-            "samples_per_s": self.workload.samples_per_batch / max(seconds, 1e-9), "bubble_ratio": bubbles,
-            "max_staleness": book.staleness, "clipfrac": stats.get("clipfrac", 0.0),
-            "approx_kl": stats.get("approx_kl", 0.0), "kl": stats.get("kl", 0.0),
-            "zero_std_ratio": book.zero_groups / max(1, book.groups), "seconds": seconds,
-            "policy_loss": stats.get("policy_loss", 0.0), "grad_norm": optim["grad_norm"],
-            "rows_trained": sum(e - s for spans in book.ledger.values() for s, e in spans),
-            "rows_kept": book.kept_rows, "version": batch + 1, "time": end_rel,
-        }
+        adv = [a for a, _ in book.adv.values()]
+        metrics = StepMetrics(
+            step=batch, version=batch + 1, time=end_rel, seconds=seconds,
+            samples_per_s=self.workload.samples_per_batch / max(seconds, 1e-9),
+            reward_mean=float(rewards.mean()), reward_std=float(rewards.std(unbiased=False)),
+            reward_std_mean=sum(book.group_std) / max(1, len(book.group_std)), reward_failures=book.failed,
+            zero_std_ratio=book.zero_groups / max(1, book.groups), adv_abs_mean=sum(map(abs, adv)) / max(1, len(adv)),
+            rows_trained=sum(e - s for spans in book.ledger.values() for s, e in spans), rows_kept=book.kept_rows,
+            **{k: stats.get(k, 0.0) for k in LOSS_KEYS}, grad_norm=optim["grad_norm"], max_staleness=book.staleness,
+            bubble_ratio=bubbles, **{k: book.phase.get(k, 0.0) for k in PHASE_KEYS},
+            rewards={name: sum(v) / len(v) for name, v in book.components.items() if v},
+        ).line()
         self.history.append(metrics)
         if book.images and self.on_images is not None:
             self.on_images(batch, torch.cat([book.images[k] for k in sorted(book.images)]))

@@ -4,7 +4,7 @@ With ``placement.reward >= 1`` the schedule sends every REWARD token here. The a
 fragment from the device holding its final latents (``take_fragment`` on that rollout actor or TAG
 trainer), decodes it with the model's VAE, scores it with the configured reward, hands the
 transitions to the trainer-side fragment store and returns the rewards. Without a reward actor, the
-holder scores its own fragments (same code: :class:`~digenrl.actors.rollout.GenerationMixin`).
+holder scores its own fragments (same code: :class:`~digenrl.roles.rollout.GenerationMixin`).
 
 A reward actor cannot regenerate a fragment whose holder died during the hand-over (it has no policy
 weights); that REWARD token then fails and the coordinator reports the death, which restarts the
@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 from digenrl.actors.base import Actor, endpoint
-from digenrl.actors.rollout import GenerationMixin
+from digenrl.roles.rollout import GenerationMixin
 
 __all__ = ["RewardActor"]
 

@@ -1,20 +1,16 @@
-"""``RolloutActor``: runs the denoising-step tokens and the scoring of the fragments it holds.
+"""``RolloutActor`` and the token endpoints of every actor that generates or scores.
 
-A fragment (DESIGN §2) lives on exactly one actor at a time as a :class:`FragmentData`: its latents at
-``step``, the generator state of its transition noise, its conditioning and the trained transitions
-recorded so far. A ROLLOUT token names each fragment's ``source``: ``""`` starts it from noise, this
-actor continues it, another actor hands it over (``take_fragment``, a control endpoint, so the holder
-answers even while it computes). Everything a fragment's numbers depend on is seeded per fragment
-(initial noise, transition noise, step plan), so its trajectory is the same whichever actors run its
-step ranges and however tokens batch fragments together, and a fragment whose holder died mid-handover
-can be recomputed from step 0 bit for bit.
+A ROLLOUT token names each fragment's ``source``: ``""`` starts it from noise, this actor continues
+it, another actor hands it over (``take_fragment``, a control endpoint, so the holder answers even
+while it computes). The fragments themselves and their numbers: :mod:`digenrl.roles.fragments`.
 
 A REWARD token decodes and scores finished fragments and hands their transitions to the trainer-side
 fragment store named by the coordinator (``store_fragment`` on a trainer) before it reports done: a
 scored fragment is durable (the schedule's contract) even if this actor dies afterwards.
 
-The same :class:`FragmentEngine` serves the trainer when TAG makes it generate. Role actors hold no
-schedule logic: they run the tokens they are handed and return measured spans.
+:class:`GenerationMixin` holds these endpoints once for the rollout actor, the reward actor and the
+trainer (which generates when TAG asks it to). Role actors hold no schedule logic: they run the
+tokens they are handed and return measured spans.
 """
 
 from __future__ import annotations
@@ -22,33 +18,22 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
-import threading
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from digenrl.actors.base import Actor, ActorRef, endpoint
-from digenrl.actors.weights import WeightStore, unpack_buckets
 from digenrl.config import Config, config_from_dict
 from digenrl.errors import ActorDied, RemoteError, StalenessViolation
-from digenrl.models import GeneratorModel, cat_cond, load_model, repeat_cond
-from digenrl.models._toy import toy_signal_init
-from digenrl.models.lora import apply_lora, enable_full_finetune, sampling
-from digenrl.rl.noise import initial_keys, initial_latents, transition_noise
-from digenrl.rl.sde import sde_step
-from digenrl.rl.steps import plan_steps
+from digenrl.models import GeneratorModel
+from digenrl.policy import build_model
+from digenrl.roles.fragments import FragmentData, FragmentEngine, probe_velocity
+from digenrl.roles.weights import WeightStore, unpack_buckets
 
-__all__ = ["FragmentData", "FragmentEngine", "RolloutActor", "build_model", "trained_steps", "limit_threads"]
+__all__ = ["GenerationMixin", "RolloutActor", "limit_threads"]
 
 log = logging.getLogger(__name__)
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-_TRANS = ("sample", "step", "x", "x_next", "sigma", "sigma_next", "log_prob", "noise_level")
-
-
-_BUILD_LOCK = threading.Lock()
 
 
 def limit_threads(threads: int) -> None:
@@ -63,192 +48,6 @@ def limit_threads(threads: int) -> None:
         torch.set_num_interop_threads(1)
     except RuntimeError:  # parallel work already ran in this process (in-process actors)
         pass
-
-
-def build_model(cfg: Config) -> tuple[GeneratorModel, list[torch.nn.Parameter]]:
-    """The generator with its trainable parameters, built exactly as the colocated recipe builds it."""
-    # diffusers' lazy imports are not thread-safe: in-process actors build their models one at a time.
-    with _BUILD_LOCK:
-        return _build_model(cfg)
-
-
-def _build_model(cfg: Config) -> tuple[GeneratorModel, list[torch.nn.Parameter]]:
-    m = cfg.model
-    model = load_model(m.name, m.preset, path=m.path or None, device=m.device, dtype=_DTYPES[m.dtype], seed=m.seed,
-                       resolution=(m.resolution[0], m.resolution[1]),
-                       num_frames=m.num_frames if m.name in ("wan21", "hunyuanvideo") else None,
-                       guidance_scale=m.guidance_scale, text_len=m.text_len or None)
-    if m.vae_init == "signal":  # random toy presets: make pixels depend on the latent and the prompt
-        toy_signal_init(model, seed=m.seed + 3)
-    if m.finetune == "lora":
-        params = apply_lora(model, rank=m.lora_rank, alpha=m.lora_alpha, seed=m.seed,
-                            target_modules=m.lora_targets or None)
-    else:
-        params = enable_full_finetune(model)
-    return model, params
-
-
-def trained_steps(cfg: Config) -> int:
-    """Transitions trained per sample (|T|) under ``rollout.steps``."""
-    ro = cfg.rollout
-    if ro.steps == "window":
-        return ro.window
-    if ro.steps == "fraction":
-        return max(1, round(ro.fraction * (ro.num_steps - 1)))
-    return ro.num_steps - 1
-
-
-@dataclass
-class FragmentData:
-    """One fragment's state on its holder. ``geo`` = ``[batch, index, p0, p1, m0, m1, group_size]``."""
-
-    geo: list[int]
-    version: int
-    step: int
-    x: torch.Tensor
-    cond: dict[str, torch.Tensor]
-    trans: list[dict[str, torch.Tensor]] = field(default_factory=list)
-    rewards: torch.Tensor | None = None
-
-    @property
-    def key(self) -> tuple[int, int]:
-        return self.geo[0], self.geo[1]
-
-    @property
-    def num_samples(self) -> int:
-        return (self.geo[3] - self.geo[2]) * (self.geo[5] - self.geo[4])
-
-    def sample_ids(self) -> list[int]:
-        """Batch-level sample ids, in local (prompt-major) order."""
-        _, _, p0, p1, m0, m1, g = self.geo
-        return [p * g + m for p in range(p0, p1) for m in range(m0, m1)]
-
-    def prompt_ids(self) -> list[int]:
-        _, _, p0, p1, m0, m1, _ = self.geo
-        return [p for p in range(p0, p1) for _ in range(m0, m1)]
-
-    def transitions(self) -> dict[str, torch.Tensor]:
-        """All recorded rows, concatenated."""
-        return {k: torch.cat([t[k] for t in self.trans]) for k in _TRANS} if self.trans else {}
-
-    def to_wire(self, with_latents: bool = True) -> dict[str, Any]:
-        """Plain dict of ints and tensors for the transport (no pickle)."""
-        out: dict[str, Any] = {"geo": list(self.geo), "version": self.version, "step": self.step,
-                               "cond": self.cond, "trans": self.transitions()}
-        if with_latents:
-            out["x"] = self.x
-        if self.rewards is not None:
-            out["rewards"] = self.rewards
-        return out
-
-    @classmethod
-    def from_wire(cls, d: dict[str, Any]) -> FragmentData:
-        trans = [d["trans"]] if d.get("trans") else []
-        return cls(list(d["geo"]), int(d["version"]), int(d["step"]), d.get("x", torch.zeros(0)),
-                   dict(d["cond"]), trans, d.get("rewards"))
-
-
-class FragmentEngine:
-    """Generation and scoring of fragments with one model (a rollout actor's, or a trainer's for TAG)."""
-
-    def __init__(self, cfg: Config, model: GeneratorModel, reward: Any | None = None) -> None:
-        self.cfg = cfg
-        self.model = model
-        self.reward = reward
-        self.sigmas = model.sigmas(cfg.rollout.num_steps)
-        self.fragments: dict[tuple[int, int], FragmentData] = {}
-        self._cond_cache: dict[str, dict[str, torch.Tensor]] = {}
-
-    # -- fragments ---------------------------------------------------------------------------
-    def _cond(self, prompts: list[str]) -> dict[str, torch.Tensor]:
-        key = "\x00".join(prompts)
-        if key not in self._cond_cache:
-            if len(self._cond_cache) > 256:
-                self._cond_cache.clear()
-            with torch.no_grad():
-                self._cond_cache[key] = self.model.encode_prompts(prompts)
-        return self._cond_cache[key]
-
-    def fresh(self, geo: list[int], version: int, prompts: list[str]) -> FragmentData:
-        """A fragment at step 0: its samples' initial latents (per-sample seeds, :mod:`digenrl.rl.noise`)."""
-        b, _, p0, p1, m0, m1, g = geo
-        frag = FragmentData(list(geo), version, 0, torch.zeros(0), repeat_cond(self._cond(prompts[p0:p1]), m1 - m0))
-        keys = initial_keys(frag.sample_ids(), g, self.cfg.rollout.same_init_noise)
-        frag.x = initial_latents(self.model, self.cfg.log.seed, b, keys)
-        return frag
-
-    def _plan(self, frag: FragmentData) -> Any:
-        ro = self.cfg.rollout
-        return plan_steps(ro.num_steps, frag.prompt_ids(), frag.sample_ids(), mode=ro.steps,  # type: ignore[arg-type]
-                          window=ro.window, window_range=ro.window_bounds(), fraction=ro.fraction,
-                          seed=self.cfg.log.seed * 1_000_003 + frag.geo[0])
-
-    def advance(self, frags: list[FragmentData], start: int, stop: int) -> None:
-        """Run steps ``[start, stop)`` of ``frags`` (all at ``start``, one version) in batched forwards.
-
-        The forwards run with LoRA merged into fp32 weights (:func:`~digenrl.models.lora.sampling`).
-        """
-        with sampling(self.model):
-            self._advance(frags, start, stop)
-
-    def _advance(self, frags: list[FragmentData], start: int, stop: int) -> None:
-        ro = self.cfg.rollout
-        plans = [self._plan(f) for f in frags]
-        sample_ids = [f.sample_ids() for f in frags]
-        sizes = [f.num_samples for f in frags]
-        x = torch.cat([f.x for f in frags])
-        cond = cat_cond([f.cond for f in frags])
-        for i in range(start, stop):
-            sig = self.sigmas[i].float().expand(x.shape[0])
-            sig_next = self.sigmas[i + 1].float().expand(x.shape[0])
-            v = self.model.velocity(x, sig, cond)
-            outs = []
-            for frag, ids, plan, xs, vs, ss, sn in zip(frags, sample_ids, plans, x.split(sizes), v.split(sizes),
-                                                        sig.split(sizes), sig_next.split(sizes), strict=True):
-                a = plan.stochastic[:, i].float() * ro.noise_level
-                z = transition_noise(self.cfg.log.seed, frag.geo[0], ids, i, xs, active=a > 0)
-                out = sde_step(xs, vs, ss, sn, a, z, kind=ro.sde)  # type: ignore[arg-type]
-                idx = plan.trained[:, i].nonzero().flatten()
-                if idx.numel():
-                    frag.trans.append({"sample": idx, "step": torch.full_like(idx, i), "x": xs[idx],
-                                       "x_next": out.x_next[idx], "sigma": ss[idx].clone(),
-                                       "sigma_next": sn[idx].clone(), "log_prob": out.log_prob[idx],
-                                       "noise_level": a[idx]})
-                outs.append(out.x_next)
-            x = torch.cat(outs)
-        for frag, xs in zip(frags, x.split(sizes), strict=True):
-            frag.x, frag.step = xs.contiguous(), stop
-            if stop == ro.num_steps:
-                self._finish(frag)
-
-    def _finish(self, frag: FragmentData) -> None:
-        """Order rows as the schedule indexes them: row ``i * T + t`` = local sample i, t-th trained step."""
-        t = frag.transitions()
-        order = torch.argsort(t["sample"] * (self.cfg.rollout.num_steps + 1) + t["step"], stable=True)
-        frag.trans = [{k: v[order].contiguous() for k, v in t.items()}]
-        want = frag.num_samples * trained_steps(self.cfg)
-        if len(order) != want:
-            raise StalenessViolation(f"fragment {frag.key} recorded {len(order)} trained rows, expected {want}")
-
-    def recompute(self, geo: list[int], version: int, prompts: list[str], step: int) -> FragmentData:
-        """Regenerate a fragment from noise up to ``step`` (its holder died while handing it over)."""
-        frag = self.fresh(geo, version, prompts)
-        if step:
-            self.advance([frag], 0, step)
-        return frag
-
-    @torch.no_grad()
-    def score(self, frag: FragmentData, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Decode and score a finished fragment; returns (rewards ``[n]``, uint8 images)."""
-        if self.reward is None:
-            raise RuntimeError("this engine has no reward function")
-        images = self.model.decode(frag.x)
-        sample_prompts = [prompts[p] for p in frag.prompt_ids()]
-        rewards = self.reward.score(images, sample_prompts).float().flatten()
-        if images.ndim == 5:
-            images = images[:, :, 0]
-        frag.rewards = rewards
-        return rewards, (images.clamp(0, 1) * 255).round().to(torch.uint8)
 
 
 def parse_sources(token: dict[str, Any]) -> list[tuple[list[int], str]]:
@@ -358,16 +157,19 @@ class GenerationMixin:
     async def _run_reward(self, token: dict[str, Any], prompts: list[str], store: str,
                           images: bool) -> dict[str, Any]:
         t0 = time.time()
-        out: dict[str, Any] = {"rewards": [], "images": []}
+        out: dict[str, Any] = {"rewards": [], "components": [], "failed": 0, "decode_s": 0.0, "images": []}
         for geo, src in parse_sources(token):
             frag = await self._obtain(geo, src or self.name, token["version"], prompts, 0, compute_fresh=False)
             if frag.step != self.engine.cfg.rollout.num_steps:
                 raise StalenessViolation(f"{self.name}: fragment {frag.key} scored at step {frag.step}")
-            rewards, imgs = await self._compute(self.engine.score, frag, prompts)
+            scored = await self._compute(self.engine.score, frag, prompts)
             await self.peers[store].store_fragment.call(frag.to_wire(with_latents=False))
-            out["rewards"].append(rewards)
+            out["rewards"].append(scored.rewards)
+            out["components"].append(scored.components)
+            out["failed"] += scored.failed
+            out["decode_s"] += scored.decode_s
             if images:
-                out["images"].append(imgs)
+                out["images"].append(scored.images)
         out.update(t0=t0, t1=time.time())
         return out
 
@@ -404,7 +206,7 @@ class RolloutActor(GenerationMixin, Actor):
         """Learn the other actors' refs (and join the torch.distributed weight lane when configured)."""
         self.peers = dict(peers)
         if dist is not None:
-            from digenrl.actors.weights import DistLane
+            from digenrl.roles.weights import DistLane
 
             self._lane = await self._compute(lambda: DistLane(dist["rank"], dist["world_size"], dist["init_method"]))
         return self.name
@@ -446,10 +248,3 @@ class RolloutActor(GenerationMixin, Actor):
         return len(keys)
 
 
-def probe_velocity(engine: FragmentEngine, seed: int) -> torch.Tensor:
-    """Velocity the engine samples with (LoRA merged as in ``advance``) on seeded noise and a fixed prompt."""
-    gen = torch.Generator().manual_seed(seed)
-    x = engine.model.prepare_latents(2, generator=gen)
-    cond = repeat_cond(engine.model.encode_prompts(["a red square"]), 2)
-    with sampling(engine.model):
-        return engine.model.velocity(x, engine.sigmas[0].float().expand(2), cond)

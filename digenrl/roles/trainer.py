@@ -26,16 +26,17 @@ from typing import Any
 import torch
 
 from digenrl.actors.base import Actor, endpoint
-from digenrl.actors.rollout import (FragmentData, FragmentEngine, GenerationMixin, build_model, limit_threads,
-                                    probe_velocity)
-from digenrl.actors.weights import pack_buckets, state_digest
 from digenrl.config import config_from_dict
 from digenrl.errors import ActorDied, ConfigError, StalenessViolation
 from digenrl.models import cat_cond, reference
 from digenrl.models.lora import load_trainable, save_trainable, trainable_state_dict
+from digenrl.policy import build_model
 from digenrl.rl.loss import LossConfig
 from digenrl.rl.rollout import TransitionBatch
 from digenrl.rl.tsp import packed_backward, per_step_backward
+from digenrl.roles.fragments import FragmentData, FragmentEngine, probe_velocity
+from digenrl.roles.rollout import GenerationMixin, limit_threads
+from digenrl.roles.weights import pack_buckets, state_digest
 
 __all__ = ["TrainerActor", "PREVIOUS_WEIGHTS"]
 
@@ -101,7 +102,7 @@ class TrainerActor(GenerationMixin, Actor):
         self.peers = dict(peers)
         self.version = version
         if dist is not None:
-            from digenrl.actors.weights import DistLane
+            from digenrl.roles.weights import DistLane
 
             self._lane = await self._compute(lambda: DistLane(dist["rank"], dist["world_size"], dist["init_method"]))
         return self.name

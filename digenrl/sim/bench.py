@@ -17,11 +17,11 @@ from digenrl.errors import ConfigError
 from digenrl.schedule import SCHEDULES, make_schedule
 from digenrl.schedule.base import Role
 from digenrl.sim.calibration import calibrate
-from digenrl.sim.engine import SimResult, simulate
-from digenrl.sim.metrics import summarize
+from digenrl.sim.engine import simulate
 from digenrl.sim.profiles import profile
 from digenrl.sim.scenarios import DEFAULT_BATCHES, SCENARIOS, Scenario, placement, scenario
-from digenrl.sim.trace import write_gantt, write_trace
+from digenrl.telemetry.stats import summarize
+from digenrl.telemetry.trace import write_gantt, write_trace
 
 __all__ = ["BubbleReport", "run_bubbles", "simulate_pair", "DEFAULT_SCENARIOS"]
 
@@ -48,7 +48,7 @@ class BubbleReport:
                 }}
 
 
-def simulate_pair(sc: Scenario, schedule: str, num_batches: int) -> SimResult:
+def simulate_pair(sc: Scenario, schedule: str, num_batches: int) -> Timeline:
     """Simulate one scenario under one schedule with the calibrated cost model."""
     devices, cost = placement(sc, colocated=schedule == "colocated")
     workload = sc.workload(num_batches)
@@ -66,7 +66,7 @@ def _bound(sc: Scenario, colocated_sps: float) -> float | None:
     return ideal_sps / colocated_sps
 
 
-def _row(sc: Scenario, res: SimResult, sim_s: float) -> dict[str, Any]:
+def _row(sc: Scenario, res: Timeline, sim_s: float) -> dict[str, Any]:
     st = summarize(res)
     s, f = st.steady, st.full
     return {
@@ -117,7 +117,7 @@ def run_bubbles(scenarios: list[str] | None = None, schedules: list[str] | None 
         out.mkdir(parents=True, exist_ok=True)
     for name in names:
         sc = scenario(name)
-        results: list[SimResult] = []
+        results: list[Timeline] = []
         base_sps = None
         rows = []
         for sched in chosen:

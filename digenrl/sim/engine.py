@@ -4,7 +4,8 @@ The simulator is a driver in the sense of ``digenrl.schedule.base``: it calls ``
 every returned token on the device(s) it names for the cost model's predicted seconds, and feeds
 ``TokenDone`` back at the token's virtual completion time. Running tokens sit in a heap keyed by
 completion time (ties broken by issue order, so runs are deterministic). Every executed token
-becomes one ``Span`` per occupied device.
+becomes one :class:`~digenrl.telemetry.spans.Span` per occupied device, and the run one
+:class:`~digenrl.telemetry.spans.Timeline`, as a real run's.
 
 A trainer that changes between training and TAG helping (``Token.helper``) first pays the cost
 model's ``tag_switch_seconds`` (onload/offload of the rollout weights); that time is recorded as a
@@ -14,54 +15,21 @@ SWITCH span and is not reported to the schedule as the token's own run time.
 from __future__ import annotations
 
 import heapq
-from dataclasses import dataclass, field
-from typing import NamedTuple
 
 from digenrl.errors import DigenrlError
 from digenrl.schedule.base import Device, Role, Schedule, Token, TokenDone, TokenKind, Workload
 from digenrl.sim.cost import CostModel
+from digenrl.telemetry.spans import Span, Timeline
 
-__all__ = ["Span", "SimResult", "SimulationError", "simulate"]
+__all__ = ["SimulationError", "simulate"]
 
 
 class SimulationError(DigenrlError):
     """The schedule broke the driver contract (busy device, unknown device) or stalled."""
 
 
-class Span(NamedTuple):
-    """One device running one token (or a TAG switch) over ``[start, end)`` virtual seconds.
-
-    A NamedTuple rather than a frozen dataclass: a 1024-GPU run records over a million spans, and
-    tuple construction is several times cheaper.
-    """
-
-    device: str
-    kind: TokenKind
-    batch: int
-    fragment: int
-    version: int
-    start: float
-    end: float
-    samples: int = 0
-    helper: bool = False
-    token: int = -1
-
-
-@dataclass(slots=True)
-class SimResult:
-    """Everything one simulated run produced."""
-
-    schedule: str
-    devices: list[Device]
-    workload: Workload
-    spans: list[Span]
-    wall: float
-    tokens: int
-    optim_end: dict[int, float] = field(default_factory=dict)  # batch -> end of its optimizer step
-
-
 def simulate(schedule: Schedule, devices: list[Device], workload: Workload, cost: CostModel,
-             max_tokens: int = 50_000_000) -> SimResult:
+             max_tokens: int = 50_000_000) -> Timeline:
     """Run ``schedule`` to completion on a virtual clock.
 
     Args:
@@ -130,4 +98,4 @@ def simulate(schedule: Schedule, devices: list[Device], workload: Workload, cost
         launch(new)
     if not schedule.done:
         raise SimulationError(f"schedule {schedule.name!r} stalled at t={now:.3f}s: nothing running and not done")
-    return SimResult(schedule.name, list(devices), workload, spans, now, issued, optim_end)
+    return Timeline(schedule.name, list(devices), workload, spans, now, issued, optim_end)

@@ -1,90 +1,112 @@
-"""What a disaggregated run shows while it runs and leaves behind.
+"""The metrics of one optimizer step, the same for every schedule, and where they are written.
 
-* :class:`SpanLog`: every executed token as a span ``(device, kind, batch, fragment, version, start,
-  end)`` in seconds since the run started, measured by the actor that ran it. Spans are the
-  simulator's :class:`~digenrl.sim.engine.Span`, so the simulator's metrics (``summarize``), Chrome
-  trace and Gantt writers (:mod:`digenrl.sim.trace`) apply to real runs unchanged.
-* :func:`window_bubbles`: bubble ratio per device over a window (1 - compute time / window),
-  counting tokens still running up to "now" as busy.
-* :class:`MetricsLog`: ``metrics.jsonl``, one line per optimizer step, plus TensorBoard scalars
-  when ``tensorboard`` is installed and enabled.
-* :func:`write_artifacts`: ``trace.json`` (Chrome/Perfetto, all actors) and ``gantt.png``.
-* :class:`LiveDisplay`: a rich live table (iteration, reward, samples/s, bubble per actor, staleness).
+:class:`StepMetrics` is the one schema: the colocated loop and every actor schedule fill the same
+fields, so two runs can be compared line by line. ``metrics.jsonl`` holds one
+:meth:`StepMetrics.line` per optimizer step (flat JSON: the per-component rewards become
+``reward/<name>`` keys; ``bubble_ratio`` stays a map with one entry per actor and ``overall``).
+:class:`MetricsLog` writes the file and, when asked, TensorBoard scalars.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from digenrl.schedule.base import Device, TokenKind, Workload
-from digenrl.sim.engine import SimResult, Span
-from digenrl.sim.metrics import COMPUTE_KINDS, busy_seconds, summarize
-
-__all__ = ["SpanLog", "window_bubbles", "MetricsLog", "write_artifacts", "LiveDisplay", "METRIC_KEYS", "run_stats"]
+__all__ = ["StepMetrics", "LOSS_KEYS", "PHASE_KEYS", "METRIC_KEYS", "MetricsLog"]
 
 log = logging.getLogger(__name__)
 
-#: Keys every ``metrics.jsonl`` line has (more may follow).
-METRIC_KEYS = ("step", "reward_mean", "reward_std", "samples_per_s", "bubble_ratio", "max_staleness", "clipfrac",
-               "approx_kl", "kl", "zero_std_ratio", "seconds")
+#: Per-row means of the clipped-surrogate diagnostics (``digenrl.rl.loss.reduce_stats``).
+LOSS_KEYS = ("policy_loss", "kl", "approx_kl", "clipfrac", "clipfrac_gt_one", "clipfrac_lt_one", "ratio", "ratio_dev")
+#: Seconds the batch's work took in each phase, summed over devices: denoising steps, VAE decode,
+#: reward scoring, and training (forward/backward and the optimizer step).
+PHASE_KEYS = ("t_rollout", "t_decode", "t_reward", "t_train")
 
 
-class SpanLog:
-    """Spans of all actors, in seconds since ``t0`` (a ``time.time()`` value shared by all processes)."""
+@dataclass(frozen=True, slots=True)
+class StepMetrics:
+    """One optimizer step's metrics (one ``metrics.jsonl`` line), for every schedule.
 
-    def __init__(self, t0: float) -> None:
-        self.t0 = t0
-        self.spans: list[Span] = []
-        self.optim_end: dict[int, float] = {}
+    Attributes:
+        step: the logical batch just trained (0-based); ``version`` = the policy version it made (step + 1).
+        time: seconds since the run started, at the end of the step; ``seconds``: the step's wall time
+            (since the previous step ended); ``samples_per_s``: the batch's samples / ``seconds``.
+        reward_mean, reward_std: over the batch's samples; ``reward_std_mean``: mean within-group std;
+            ``rewards``: mean of each weighted component (``reward/<name>`` in the line).
+        reward_failures: samples scored with the failure penalty (``reward.on_error = "penalty"``).
+        zero_std_ratio: share of groups with identical rewards (no signal; their rows are dropped);
+            ``adv_abs_mean``: mean |advantage|.
+        rows_trained: transitions (sample x trained step) the trainers ran; ``rows_kept``: those that
+            count in the loss (not of a zero-std group).
+        policy_loss ... ratio_dev: per-row means of the loss diagnostics (:data:`LOSS_KEYS`).
+        grad_norm: gradient norm before clipping.
+        max_staleness: the largest ``batch - policy_version`` among the batch's samples (0: on-policy).
+        bubble_ratio: idle share of each actor over the step (1 - compute time / ``seconds``) and
+            their mean, ``overall``; the colocated loop is one actor, ``colocated``.
+        t_rollout, t_decode, t_reward, t_train: seconds this batch's work took in each phase
+            (:data:`PHASE_KEYS`), summed over actors.
+    """
 
-    def add(self, device: str, kind: TokenKind, batch: int, fragment: int, version: int, start: float, end: float,
-            samples: int = 0, helper: bool = False, token: int = -1) -> Span:
-        span = Span(device, kind, batch, fragment, version, start - self.t0, max(end, start) - self.t0, samples,
-                    helper, token)
-        self.spans.append(span)
-        if kind is TokenKind.OPTIM:
-            self.optim_end[batch] = max(self.optim_end.get(batch, 0.0), span.end)
-        return span
+    step: int
+    version: int
+    time: float
+    seconds: float
+    samples_per_s: float
+    reward_mean: float
+    reward_std: float
+    reward_std_mean: float
+    reward_failures: int
+    zero_std_ratio: float
+    adv_abs_mean: float
+    rows_trained: int
+    rows_kept: int
+    policy_loss: float
+    kl: float
+    approx_kl: float
+    clipfrac: float
+    clipfrac_gt_one: float
+    clipfrac_lt_one: float
+    ratio: float
+    ratio_dev: float
+    grad_norm: float
+    max_staleness: int
+    bubble_ratio: dict[str, float]
+    t_rollout: float
+    t_decode: float
+    t_reward: float
+    t_train: float
+    rewards: dict[str, float] = field(default_factory=dict)
 
-    def result(self, schedule: str, devices: list[Device], workload: Workload, wall: float) -> SimResult:
-        return SimResult(schedule, list(devices), workload, list(self.spans), wall, len(self.spans),
-                         dict(self.optim_end))
+    def line(self) -> dict[str, Any]:
+        """The flat ``metrics.jsonl`` form."""
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "rewards"}
+        out.update({f"reward/{name}": value for name, value in self.rewards.items()})
+        return out
 
 
-def window_bubbles(spans: list[Span], devices: list[str], start: float, end: float,
-                   running: dict[str, float] | None = None) -> dict[str, float]:
-    """Bubble ratio per device over ``[start, end)``; ``running[device]`` = start of a still-running compute token."""
-    length = max(end - start, 1e-9)
-    by: dict[str, list[Span]] = {d: [] for d in devices}
-    for s in spans:
-        if s.device in by and s.end > start:
-            by[s.device].append(s)
-    out = {}
-    for d in devices:
-        busy = busy_seconds(by[d], start, end, COMPUTE_KINDS)
-        if running and d in running:
-            busy += max(0.0, end - max(start, running[d]))
-        out[d] = max(0.0, min(1.0, 1.0 - busy / length))
-    return out
-
-
-def run_stats(result: SimResult) -> dict[str, Any]:
-    """The simulator's summary (steady and full windows) of a real run."""
-    return summarize(result).to_dict()
+#: Keys every ``metrics.jsonl`` line has, whatever the schedule (``reward/<name>`` keys follow the config).
+METRIC_KEYS = tuple(f.name for f in dataclasses.fields(StepMetrics) if f.name != "rewards")
 
 
 class MetricsLog:
-    """``metrics.jsonl`` (appended and flushed per step) and optional TensorBoard scalars."""
+    """``metrics.jsonl`` (appended and flushed per step) and optional TensorBoard scalars.
+
+    Args:
+        out: the run directory (``None``: keep nothing on disk).
+        tensorboard: also write TensorBoard event files under ``out/tb``.
+        history: lines of the steps already done (a resumed run rewrites them first, so the file
+            never holds a step twice).
+    """
 
     def __init__(self, out: Path | None, tensorboard: bool = False, history: list[dict[str, Any]] | None = None) -> None:
         self.path = out / "metrics.jsonl" if out is not None else None
         self._tb: Any = None
         if self.path is not None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            # A resumed run rewrites the lines it already has, so the file never holds a step twice.
             with self.path.open("w") as f:
                 for line in history or []:
                     f.write(json.dumps(line) + "\n")
@@ -97,6 +119,7 @@ class MetricsLog:
                 log.info("tensorboard is not installed; skipping TensorBoard logs")
 
     def write(self, metrics: dict[str, Any]) -> None:
+        """Append one step's line (and its scalars)."""
         if self.path is not None:
             with self.path.open("a") as f:
                 f.write(json.dumps(metrics) + "\n")
@@ -114,63 +137,3 @@ class MetricsLog:
         if self._tb is not None:
             self._tb.close()
             self._tb = None
-
-
-def write_artifacts(out: Path, result: SimResult, trace: bool = True, gantt: bool = True) -> list[Path]:
-    """``trace.json`` (Chrome trace of every actor's spans) and ``gantt.png``; returns the files written."""
-    from digenrl.sim.trace import write_gantt, write_trace
-
-    files = []
-    if trace:
-        files.append(write_trace(result, out / "trace.json"))
-    if gantt and result.spans:
-        try:
-            files.append(write_gantt([result], out / "gantt.png", f"{result.schedule}: real run, "
-                                     f"{len(result.devices)} actors"))
-        except Exception as exc:  # a picture must never fail a finished run
-            log.warning("could not draw the Gantt chart: %s", exc)
-    return files
-
-
-class LiveDisplay:
-    """A rich live table fed one metrics dict per optimizer step (use as a context manager)."""
-
-    def __init__(self, total: int, title: str) -> None:
-        self.total, self.title = total, title
-        self._live: Any = None
-        self._rows: list[dict[str, Any]] = []
-
-    def __enter__(self) -> LiveDisplay:
-        from rich.console import Console
-        from rich.live import Live
-
-        # Wide enough for every column even when stderr is a log file or a pipe (80 columns by default).
-        console = Console(stderr=True, width=max(Console(stderr=True).width, 120))
-        self._live = Live(self._render(), console=console, refresh_per_second=4, transient=False)
-        self._live.__enter__()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self._live is not None:
-            self._live.__exit__(*exc)
-            if not self._live.console.is_terminal:  # the last frame ends without a newline there
-                self._live.console.line()
-
-    def update(self, metrics: dict[str, Any]) -> None:
-        self._rows.append(metrics)
-        if self._live is not None:
-            self._live.update(self._render())
-
-    def _render(self) -> Any:
-        from rich.table import Table
-
-        table = Table(title=f"{self.title}  ({len(self._rows)}/{self.total} steps)")
-        actors = sorted(self._rows[-1]["bubble_ratio"]) if self._rows else []
-        for col in ("step", "reward", "± std", "samples/s", "staleness", *(f"bubble {a}" for a in actors), "s"):
-            table.add_column(col, justify="right")
-        for m in self._rows[-12:]:
-            b = m["bubble_ratio"]
-            table.add_row(str(m["step"]), f"{m['reward_mean']:.4f}", f"{m['reward_std']:.4f}",
-                          f"{m['samples_per_s']:.1f}", str(m["max_staleness"]),
-                          *(f"{b.get(a, 0.0):.0%}" for a in actors), f"{m['seconds']:.2f}")
-        return table

@@ -1,4 +1,4 @@
-"""Throughput, bubbles, staleness and overhead shares of a simulated (or real) run's spans.
+"""Throughput, bubbles, staleness and overhead shares of a run's spans (simulated or real).
 
 Definitions (DESIGN.md §2):
 
@@ -20,12 +20,14 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from digenrl.schedule.base import Role, TokenKind
-from digenrl.sim.engine import SimResult, Span
+from typing import Any
 
-__all__ = ["COMPUTE_KINDS", "WindowStats", "RunStats", "summarize", "busy_seconds"]
+from digenrl.telemetry.spans import Span, Timeline, busy_seconds
 
-COMPUTE_KINDS = frozenset({TokenKind.ROLLOUT, TokenKind.REWARD, TokenKind.TRAIN, TokenKind.OPTIM})
+__all__ = ["WindowStats", "RunStats", "summarize", "run_stats"]
+
+_ROLLOUT_SIDE = ("rollout", "reward", "hybrid")  # device roles counted in the rollout bubble
+_TRAINER_SIDE = ("trainer", "hybrid")
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,18 +54,7 @@ class RunStats:
         return asdict(self)
 
 
-def busy_seconds(spans: list[Span], start: float, end: float, kinds: frozenset[TokenKind] = COMPUTE_KINDS) -> float:
-    """Seconds of ``[start, end)`` covered by ``spans`` of ``kinds`` (one device's spans, non-overlapping)."""
-    total = 0.0
-    for s in spans:
-        if s.kind in kinds:
-            lo, hi = max(s.start, start), min(s.end, end)
-            if hi > lo:
-                total += hi - lo
-    return total
-
-
-def _window(result: SimResult, by_device: dict[str, list[Span]], start: float, end: float
+def _window(result: Timeline, by_device: dict[str, list[Span]], start: float, end: float
             ) -> tuple[WindowStats, dict[str, float]]:
     length = max(end - start, 1e-12)
     bubbles: dict[str, float] = {}
@@ -71,10 +62,10 @@ def _window(result: SimResult, by_device: dict[str, list[Span]], start: float, e
     for d in result.devices:
         own = by_device.get(d.name, [])
         bubbles[d.name] = 1.0 - busy_seconds(own, start, end) / length
-        sync += busy_seconds(own, start, end, frozenset({TokenKind.PUBLISH}))
-        switch += busy_seconds(own, start, end, frozenset({TokenKind.SWITCH}))
+        sync += busy_seconds(own, start, end, frozenset({"publish"}))
+        switch += busy_seconds(own, start, end, frozenset({"switch"}))
 
-    def mean(roles: tuple[Role, ...]) -> float:
+    def mean(roles: tuple[str, ...]) -> float:
         vals = [bubbles[d.name] for d in result.devices if d.role in roles]
         return sum(vals) / len(vals) if vals else 0.0
 
@@ -85,21 +76,21 @@ def _window(result: SimResult, by_device: dict[str, list[Span]], start: float, e
     n = len(result.devices)
     return WindowStats(
         start, end, samples / length,
-        mean((Role.ROLLOUT, Role.REWARD, Role.HYBRID)), mean((Role.TRAINER, Role.HYBRID)),
+        mean(_ROLLOUT_SIDE), mean(_TRAINER_SIDE),
         sum(bubbles.values()) / n, sync / (n * length), switch / (n * length),
     ), bubbles
 
 
-def summarize(result: SimResult) -> RunStats:
+def summarize(result: Timeline) -> RunStats:
     """Metrics of one run (see the module docstring for the definitions)."""
     by_device: dict[str, list[Span]] = {}
     staleness = 0
     scored = 0
     for s in result.spans:
         by_device.setdefault(s.device, []).append(s)
-        if s.kind is TokenKind.ROLLOUT:
+        if s.kind == "rollout":
             staleness = max(staleness, s.batch - s.version)
-        elif s.kind is TokenKind.REWARD:
+        elif s.kind == "reward":
             scored += s.samples
     first = result.optim_end.get(0, 0.0)
     last = max(result.optim_end.values(), default=result.wall)
@@ -108,3 +99,8 @@ def summarize(result: SimResult) -> RunStats:
     steady, _ = _window(result, by_device, first, last)
     full, per_device = _window(result, by_device, 0.0, result.wall)
     return RunStats(steady, full, staleness, scored, per_device)
+
+
+def run_stats(result: Timeline) -> dict[str, Any]:
+    """:func:`summarize` as plain data (a real run's ``summary.json``)."""
+    return summarize(result).to_dict()

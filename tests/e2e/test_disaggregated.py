@@ -12,11 +12,11 @@ from pathlib import Path
 import psutil
 import pytest
 
-from digenrl.actors.coordinator import RunStopped
+from digenrl.roles.coordinator import RunStopped
 from digenrl.config import Config, load_config
 from digenrl.recipes.checkpoint import find_checkpoint, load_state
 from digenrl.recipes.disaggregated import arun_disaggregated
-from digenrl.recipes.observe import METRIC_KEYS
+from digenrl.telemetry.metrics import METRIC_KEYS
 
 CONFIG = Path(__file__).resolve().parents[2] / "configs" / "tiny-qwenimage.toml"
 ROWS = 8 * 8 * 1  # prompts x group x trained steps (a one-step window) of one logical batch

@@ -26,12 +26,12 @@ def test_run_command_writes_metrics_grids_and_weights(tmp_path: Path) -> None:
     res = CliRunner().invoke(app, args)
     assert res.exit_code == 0, res.output
     lines = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [m["iteration"] for m in lines] == [0, 1]
+    assert [m["step"] for m in lines] == [0, 1]
     for key in ("reward_mean", "reward_std", "clipfrac", "approx_kl", "kl", "zero_std_ratio", "grad_norm", "seconds"):
         assert all(key in m for m in lines), key
     assert lines[0]["kl"] == 0.0 and lines[0]["approx_kl"] < 1e-10  # on policy, LoRA B = 0
-    assert lines[0]["rows"] == 2 * 2 * 1  # 4 samples x a one-step window
-    assert (out / "samples" / "iter_00000.png").is_file() and (out / "samples" / "iter_00001.png").is_file()
+    assert lines[0]["rows_kept"] == 2 * 2 * 1  # 4 samples x a one-step window
+    assert (out / "samples" / "step_00000.png").is_file() and (out / "samples" / "step_00001.png").is_file()
     assert (out / "trainable.safetensors").is_file()
     assert json.loads((out / "config.json").read_text())["train"]["iterations"] == 2
 
@@ -82,5 +82,5 @@ def test_step_modes_through_the_recipe(mode: str, rows_per_sample: int) -> None:
                              "rollout.fraction=0.67", "rollout.prompts_per_batch=2", "rollout.group_size=2",
                              "placement.threads=1", "rollout.sde=cps", "rollout.noise_level=0.8"])
     (m,) = train(cfg, write_files=False)
-    assert m["rows"] == 4 * rows_per_sample * (1 - m["zero_std_ratio"])
+    assert m["rows_kept"] == 4 * rows_per_sample * (1 - m["zero_std_ratio"])
     assert m["approx_kl"] < 1e-10 and m["grad_norm"] > 0

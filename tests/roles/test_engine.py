@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from digenrl.actors.rollout import FragmentData, FragmentEngine, build_model, trained_steps
+from digenrl.policy import build_model, trained_steps
+from digenrl.roles.fragments import FragmentData, FragmentEngine
 from digenrl.config import config_from_dict
 
 PROMPTS = ["a red square", "a blue circle", "a green square", "a white circle"]
@@ -66,8 +67,8 @@ def test_step_level_batching_matches_separate_fragments(engines) -> None:
 def test_batch_prompts_are_a_seeded_balanced_function_of_the_batch() -> None:
     from collections import Counter
 
-    from digenrl.actors.coordinator import batch_prompts
-    from digenrl.recipes.prompts import load_prompts
+    from digenrl.data.prompts import batch_prompts
+    from digenrl.data.prompts import load_prompts
 
     pool = load_prompts("color")
     batch = batch_prompts(pool, 0, 3, 20)

@@ -9,11 +9,11 @@ import pytest_asyncio
 import torch
 
 from digenrl.actors import ActorSystem
-from digenrl.actors.coordinator import Coordinator
+from digenrl.roles.coordinator import Coordinator
 from digenrl.config import config_from_dict
 from digenrl.errors import RemoteError, StalenessViolation
 from digenrl.recipes.disaggregated import start_cluster, tiny_cpu_cost
-from digenrl.recipes.prompts import load_prompts
+from digenrl.data.prompts import load_prompts
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -95,7 +95,7 @@ async def test_trainer_refuses_samples_older_than_the_staleness_bound(cluster) -
 async def test_colocated_loop_and_actors_train_the_same_samples(cluster) -> None:
     """Noise belongs to samples (digenrl/rl/noise.py): the single-process loop and on-policy actors cutting
     the batch into 8 one-sample fragments generate the same samples and take the same optimizer step."""
-    from digenrl.actors.rollout import FragmentEngine, probe_velocity
+    from digenrl.roles.fragments import FragmentEngine, probe_velocity
     from digenrl.recipes.colocated import iteration, setup
 
     cfg, c, initial = cluster

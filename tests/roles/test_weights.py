@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from digenrl.actors.rollout import build_model
-from digenrl.actors.weights import WeightStore, pack_buckets, state_digest, unpack_buckets
+from digenrl.policy import build_model
+from digenrl.roles.weights import WeightStore, pack_buckets, state_digest, unpack_buckets
 from digenrl.config import config_from_dict
 from digenrl.errors import ProtocolError, StalenessViolation
 from digenrl.models.lora import trainable_state_dict

@@ -10,7 +10,8 @@ from digenrl.schedule import make_schedule
 from digenrl.schedule.base import Device, Event, Role, Schedule, Token, TokenDone, TokenKind, Workload
 from digenrl.sim.calibration import PUBLISHED, calibrate, calibrated_params
 from digenrl.sim.engine import SimulationError, simulate
-from digenrl.sim.metrics import COMPUTE_KINDS, busy_seconds, summarize
+from digenrl.telemetry.spans import COMPUTE_KINDS, busy_seconds
+from digenrl.telemetry.stats import summarize
 from digenrl.sim.scenarios import Scenario, placement, scenario
 
 

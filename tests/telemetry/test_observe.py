@@ -5,7 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from digenrl.recipes.observe import LiveDisplay, MetricsLog
+from digenrl.telemetry.live import LiveDisplay
+from digenrl.telemetry.metrics import MetricsLog
 
 
 def test_metrics_log_rewrites_history_on_resume_and_live_table_renders(tmp_path: Path) -> None:

@@ -1,0 +1,220 @@
+"""Fragments on the device that holds them: their state, and how they are generated and scored.
+
+A fragment (DESIGN §2) lives on exactly one actor at a time as a :class:`FragmentData`: its latents at
+``step``, its conditioning and the trained transitions recorded so far. Everything a fragment's
+numbers depend on is seeded per sample (initial noise, transition noise, step plan:
+:mod:`digenrl.rl.noise`), so its trajectory is the same whichever actors run its step ranges and
+however tokens batch fragments together, and a fragment whose holder died mid-handover can be
+recomputed from step 0 bit for bit.
+
+:class:`FragmentEngine` advances fragments through denoising steps in batched forwards and decodes
+and scores finished ones, with one model: a rollout actor's, or a trainer's when TAG makes it generate.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from digenrl.config import Config
+from digenrl.errors import StalenessViolation
+from digenrl.models import GeneratorModel, cat_cond, repeat_cond
+from digenrl.models.lora import sampling
+from digenrl.policy import trained_steps
+from digenrl.rl.noise import initial_keys, initial_latents, transition_noise
+from digenrl.rl.sde import sde_step
+from digenrl.rl.steps import plan_steps
+
+__all__ = ["FragmentData", "FragmentEngine", "Scored", "probe_velocity"]
+
+_TRANS = ("sample", "step", "x", "x_next", "sigma", "sigma_next", "log_prob", "noise_level")
+
+
+@dataclass
+class FragmentData:
+    """One fragment's state on its holder. ``geo`` = ``[batch, index, p0, p1, m0, m1, group_size]``."""
+
+    geo: list[int]
+    version: int
+    step: int
+    x: torch.Tensor
+    cond: dict[str, torch.Tensor]
+    trans: list[dict[str, torch.Tensor]] = field(default_factory=list)
+    rewards: torch.Tensor | None = None
+
+    @property
+    def key(self) -> tuple[int, int]:
+        return self.geo[0], self.geo[1]
+
+    @property
+    def num_samples(self) -> int:
+        return (self.geo[3] - self.geo[2]) * (self.geo[5] - self.geo[4])
+
+    def sample_ids(self) -> list[int]:
+        """Batch-level sample ids, in local (prompt-major) order."""
+        _, _, p0, p1, m0, m1, g = self.geo
+        return [p * g + m for p in range(p0, p1) for m in range(m0, m1)]
+
+    def prompt_ids(self) -> list[int]:
+        _, _, p0, p1, m0, m1, _ = self.geo
+        return [p for p in range(p0, p1) for _ in range(m0, m1)]
+
+    def transitions(self) -> dict[str, torch.Tensor]:
+        """All recorded rows, concatenated."""
+        return {k: torch.cat([t[k] for t in self.trans]) for k in _TRANS} if self.trans else {}
+
+    def to_wire(self, with_latents: bool = True) -> dict[str, Any]:
+        """Plain dict of ints and tensors for the transport (no pickle)."""
+        out: dict[str, Any] = {"geo": list(self.geo), "version": self.version, "step": self.step,
+                               "cond": self.cond, "trans": self.transitions()}
+        if with_latents:
+            out["x"] = self.x
+        if self.rewards is not None:
+            out["rewards"] = self.rewards
+        return out
+
+    @classmethod
+    def from_wire(cls, d: dict[str, Any]) -> FragmentData:
+        trans = [d["trans"]] if d.get("trans") else []
+        return cls(list(d["geo"]), int(d["version"]), int(d["step"]), d.get("x", torch.zeros(0)),
+                   dict(d["cond"]), trans, d.get("rewards"))
+
+
+@dataclass
+class Scored:
+    """A decoded and scored fragment.
+
+    Attributes:
+        rewards: ``[n]`` the weighted reward of each sample.
+        images: ``[n, 3, H, W]`` uint8 (the first frame of videos).
+        components: each weighted reward's own ``[n]`` scores.
+        failed: samples scored with the failure penalty.
+        decode_s: seconds spent decoding (the rest of the scoring is the reward itself).
+    """
+
+    rewards: torch.Tensor
+    images: torch.Tensor
+    components: dict[str, torch.Tensor]
+    failed: int
+    decode_s: float
+
+
+class FragmentEngine:
+    """Generation and scoring of fragments with one model (a rollout actor's, or a trainer's for TAG)."""
+
+    def __init__(self, cfg: Config, model: GeneratorModel, reward: Any | None = None) -> None:
+        self.cfg = cfg
+        self.model = model
+        self.reward = reward
+        self.sigmas = model.sigmas(cfg.rollout.num_steps)
+        self.fragments: dict[tuple[int, int], FragmentData] = {}
+        self._cond_cache: dict[str, dict[str, torch.Tensor]] = {}
+
+    # -- fragments ---------------------------------------------------------------------------
+    def _cond(self, prompts: list[str]) -> dict[str, torch.Tensor]:
+        key = "\x00".join(prompts)
+        if key not in self._cond_cache:
+            if len(self._cond_cache) > 256:
+                self._cond_cache.clear()
+            with torch.no_grad():
+                self._cond_cache[key] = self.model.encode_prompts(prompts)
+        return self._cond_cache[key]
+
+    def fresh(self, geo: list[int], version: int, prompts: list[str]) -> FragmentData:
+        """A fragment at step 0: its samples' initial latents (per-sample seeds, :mod:`digenrl.rl.noise`)."""
+        b, _, p0, p1, m0, m1, g = geo
+        frag = FragmentData(list(geo), version, 0, torch.zeros(0), repeat_cond(self._cond(prompts[p0:p1]), m1 - m0))
+        keys = initial_keys(frag.sample_ids(), g, self.cfg.rollout.same_init_noise)
+        frag.x = initial_latents(self.model, self.cfg.log.seed, b, keys)
+        return frag
+
+    def _plan(self, frag: FragmentData) -> Any:
+        ro = self.cfg.rollout
+        return plan_steps(ro.num_steps, frag.prompt_ids(), frag.sample_ids(), mode=ro.steps,  # type: ignore[arg-type]
+                          window=ro.window, window_range=ro.window_bounds(), fraction=ro.fraction,
+                          seed=self.cfg.log.seed * 1_000_003 + frag.geo[0])
+
+    def advance(self, frags: list[FragmentData], start: int, stop: int) -> None:
+        """Run steps ``[start, stop)`` of ``frags`` (all at ``start``, one version) in batched forwards.
+
+        The forwards run with LoRA merged into fp32 weights (:func:`~digenrl.models.lora.sampling`).
+        """
+        with sampling(self.model):
+            self._advance(frags, start, stop)
+
+    def _advance(self, frags: list[FragmentData], start: int, stop: int) -> None:
+        ro = self.cfg.rollout
+        plans = [self._plan(f) for f in frags]
+        sample_ids = [f.sample_ids() for f in frags]
+        sizes = [f.num_samples for f in frags]
+        x = torch.cat([f.x for f in frags])
+        cond = cat_cond([f.cond for f in frags])
+        for i in range(start, stop):
+            sig = self.sigmas[i].float().expand(x.shape[0])
+            sig_next = self.sigmas[i + 1].float().expand(x.shape[0])
+            v = self.model.velocity(x, sig, cond)
+            outs = []
+            for frag, ids, plan, xs, vs, ss, sn in zip(frags, sample_ids, plans, x.split(sizes), v.split(sizes),
+                                                        sig.split(sizes), sig_next.split(sizes), strict=True):
+                a = plan.stochastic[:, i].float() * ro.noise_level
+                z = transition_noise(self.cfg.log.seed, frag.geo[0], ids, i, xs, active=a > 0)
+                out = sde_step(xs, vs, ss, sn, a, z, kind=ro.sde)  # type: ignore[arg-type]
+                idx = plan.trained[:, i].nonzero().flatten()
+                if idx.numel():
+                    frag.trans.append({"sample": idx, "step": torch.full_like(idx, i), "x": xs[idx],
+                                       "x_next": out.x_next[idx], "sigma": ss[idx].clone(),
+                                       "sigma_next": sn[idx].clone(), "log_prob": out.log_prob[idx],
+                                       "noise_level": a[idx]})
+                outs.append(out.x_next)
+            x = torch.cat(outs)
+        for frag, xs in zip(frags, x.split(sizes), strict=True):
+            frag.x, frag.step = xs.contiguous(), stop
+            if stop == ro.num_steps:
+                self._finish(frag)
+
+    def _finish(self, frag: FragmentData) -> None:
+        """Order rows as the schedule indexes them: row ``i * T + t`` = local sample i, t-th trained step."""
+        t = frag.transitions()
+        order = torch.argsort(t["sample"] * (self.cfg.rollout.num_steps + 1) + t["step"], stable=True)
+        frag.trans = [{k: v[order].contiguous() for k, v in t.items()}]
+        want = frag.num_samples * trained_steps(self.cfg)
+        if len(order) != want:
+            raise StalenessViolation(f"fragment {frag.key} recorded {len(order)} trained rows, expected {want}")
+
+    def recompute(self, geo: list[int], version: int, prompts: list[str], step: int) -> FragmentData:
+        """Regenerate a fragment from noise up to ``step`` (its holder died while handing it over)."""
+        frag = self.fresh(geo, version, prompts)
+        if step:
+            self.advance([frag], 0, step)
+        return frag
+
+    @torch.no_grad()
+    def score(self, frag: FragmentData, prompts: list[str]) -> Scored:
+        """Decode and score a finished fragment."""
+        if self.reward is None:
+            raise RuntimeError("this engine has no reward function")
+        t0 = time.perf_counter()
+        images = self.model.decode(frag.x)
+        decode_s = time.perf_counter() - t0
+        sample_prompts = [prompts[p] for p in frag.prompt_ids()]
+        failures = self.reward.failures
+        rewards = self.reward.score(images, sample_prompts).float().flatten()
+        # A failed call scores every sample of it with the penalty (GuardedReward).
+        failed = frag.num_samples if self.reward.failures > failures else 0
+        components = {} if failed else dict(getattr(self.reward.inner, "last_components", {}))
+        if images.ndim == 5:
+            images = images[:, :, 0]
+        frag.rewards = rewards
+        return Scored(rewards, (images.clamp(0, 1) * 255).round().to(torch.uint8), components, failed, decode_s)
+
+
+def probe_velocity(engine: FragmentEngine, seed: int) -> torch.Tensor:
+    """Velocity the engine samples with (LoRA merged as in ``advance``) on seeded noise and a fixed prompt."""
+    gen = torch.Generator().manual_seed(seed)
+    x = engine.model.prepare_latents(2, generator=gen)
+    cond = repeat_cond(engine.model.encode_prompts(["a red square"]), 2)
+    with sampling(engine.model):
+        return engine.model.velocity(x, engine.sigmas[0].float().expand(2), cond)
