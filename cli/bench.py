@@ -6,25 +6,23 @@ from pathlib import Path
 
 import typer
 
+from digenrl_cli._text import examples
+
 bench_app = typer.Typer(
     name="bench",
     help="Benchmarks: simulated schedules side by side.",
     no_args_is_help=True,
     add_completion=False,
+    rich_markup_mode=None,  # plain text, as the main app
 )
 
-_EPILOG = """Examples:
-
-  digenrl bench bubbles                                   # paper scenarios x all schedules
-
-  digenrl bench bubbles --scenario qwen-16 --out runs/bubbles
-
-  digenrl bench bubbles --scenario scale-1024 --schedule colocated --schedule async1 --batches 100
-
-  digenrl bench bubbles --list
-
-  digenrl bench bubbles --real --batches 20 --repeats 3 --out runs/real  # the tiny model, for real, on this machine
-"""
+_EPILOG = examples(
+    "digenrl bench bubbles                                  # paper scenarios x all schedules",
+    "digenrl bench bubbles --scenario qwen-16 --out runs/bubbles",
+    "digenrl bench bubbles --scenario scale-1024 --schedule colocated --schedule async1 --batches 100",
+    "digenrl bench bubbles --list",
+    "digenrl bench bubbles --real --batches 20 --repeats 3 --out runs/real  # the tiny model, for real, here",
+)
 
 
 @bench_app.command("bubbles", epilog=_EPILOG)

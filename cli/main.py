@@ -12,6 +12,8 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_show_locals=False,
+    # Help texts are plain text: rich markup would eat config tables such as "[schedule]".
+    rich_markup_mode=None,
 )
 
 

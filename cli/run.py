@@ -10,6 +10,8 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
+from digenrl_cli._text import examples
+
 from digenrl.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -40,8 +42,10 @@ def run(
     resume: Annotated[Path | None, typer.Option("--resume", help="Continue from a run directory or checkpoint.")] = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Debug logging.")] = False,
 ) -> None:
-    """Train with Flow-GRPO as the config says: `[schedule] name` picks the single-process colocated
-    loop or the disaggregated actors (disaggregated, gap, tsp, tag, async1)."""
+    """Train with Flow-GRPO as the config says.
+
+    The config's [schedule] name picks the single-process colocated loop (colocated) or the
+    disaggregated actors (disaggregated, gap, tsp, tag, async1)."""
     logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     with _runtime_logs(verbose):
         _run(config, set_, out, resume)
@@ -129,8 +133,8 @@ def validate(
 
 def register(app: typer.Typer) -> None:
     """Add `run` and `validate` to `app`."""
-    epilog = ("Examples: digenrl run configs/tiny-qwenimage.toml --out runs/color\n\n"
-              "digenrl run configs/tiny-qwenimage.toml --set schedule.name=colocated --out runs/colocated\n\n"
-              "digenrl run configs/tiny-qwenimage.toml --resume runs/color")
+    epilog = examples("digenrl run configs/tiny-qwenimage.toml --out runs/color",
+                      "digenrl run configs/tiny-qwenimage.toml --set schedule.name=colocated --out runs/colocated",
+                      "digenrl run configs/tiny-qwenimage.toml --resume runs/color")
     app.command("run", epilog=epilog)(run)
-    app.command("validate", epilog="Example: digenrl validate configs/tiny-qwenimage.toml --set train.lr=1e-3")(validate)
+    app.command("validate", epilog=examples("digenrl validate configs/tiny-qwenimage.toml --set train.lr=1e-3"))(validate)

@@ -9,15 +9,16 @@ import socket
 
 import typer
 
-_EPILOG = """\
-Examples:
+from digenrl_cli._text import examples
 
-  # driver host 10.0.0.1 runs ActorSystem(address="tcp://10.0.0.1:5555") (port 0: a free one);
-  # addresses are concrete interfaces, because each side replies to the address the other bound
-  digenrl worker --join tcp://10.0.0.1:5555 --listen tcp://10.0.0.2:0
-
-  # same host (tests, a quick try): loopback is the default --listen
-  digenrl worker --join tcp://127.0.0.1:5555 --name gpu0
+_EPILOG = examples(
+    "# driver host 10.0.0.1 runs ActorSystem(address=\"tcp://10.0.0.1:5555\") (port 0: a free one);",
+    "# addresses are concrete interfaces, because each side replies to the address the other bound",
+    "digenrl worker --join tcp://10.0.0.1:5555 --listen tcp://10.0.0.2:0",
+    "",
+    "# same host (tests, a quick try): loopback is the default --listen",
+    "digenrl worker --join tcp://127.0.0.1:5555 --name gpu0",
+) + """
 
 Pass --join exactly as the system reports it (ActorSystem.address, logged at start):
 tcp://127.0.0.1:5555 and tcp://localhost:5555 are different peers to ZeroMQ.
