@@ -39,3 +39,13 @@ def test_resume_with_the_colocated_loop_is_refused() -> None:
     result = CliRunner().invoke(app, ["run", "configs/tiny-qwenimage.toml", "--set", "schedule.name=colocated", "--resume", "runs/x"])
     assert result.exit_code == 2
     assert "--resume needs an actor schedule" in result.output
+
+
+@pytest.mark.parametrize("command", [[], ["run"], ["validate"], ["worker"], ["bench"], ["bench", "bubbles"]])
+def test_help_prints_config_tables_literally(command: list[str]) -> None:
+    """Help texts name config tables such as [schedule]; no markup may eat them."""
+    result = CliRunner().invoke(app, [*command, "--help"])
+    assert result.exit_code == 0, result.output
+    if command == ["run"]:
+        assert "[schedule] name picks the single-process colocated loop" in " ".join(result.output.split())
+    assert "[/" not in result.output  # no stray rich markup
