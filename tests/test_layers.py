@@ -72,3 +72,12 @@ def test_the_runtime_holds_only_runtime_files() -> None:
     files = {p.stem for p in (PACKAGE / "actors").glob("*.py")}
     assert files == {"__init__", "base", "_context", "_mailbox", "_node", "_wire", "_agent", "_child", "process",
                      "system", "worker"}
+
+
+def test_every_package_ships_in_the_wheel() -> None:
+    """pyproject.toml lists the packages explicitly: a new one must be added there too."""
+    import tomllib
+
+    listed = set(tomllib.loads((PACKAGE.parent / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {".".join(p.parent.relative_to(PACKAGE.parent).parts) for p in PACKAGE.rglob("__init__.py")}
+    assert found <= listed, f"packages missing from pyproject.toml: {sorted(found - listed)}"

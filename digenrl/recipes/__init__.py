@@ -1,7 +1,9 @@
-"""Recipes: whole training loops built from the RL core, readable top to bottom.
+"""Recipes: whole runs, readable top to bottom.
 
-* :mod:`digenrl.recipes.colocated`: the single-process reference loop (``train(config) -> history``).
-* :mod:`digenrl.data.prompts`: the built-in prompt sets.
-
-Nothing is imported here, so ``digenrl.config`` can read the prompt sets without importing models.
+* :mod:`.colocated`: the single-process reference loop (``train(config) -> history``).
+* :mod:`.disaggregated`: the actor run: spawn the roles, wire them, let the coordinator drive the
+  schedule (``run_disaggregated(config)``).
+* :mod:`.checkpoint`: atomic checkpoints and finding one to resume from.
+* :mod:`.bench_real`: ``digenrl bench bubbles --real``, the tiny model trained for real under
+  several schedules beside the simulator's prediction.
 """
