@@ -54,6 +54,11 @@ class RunStopped(DigenrlError):
     """The run cannot continue (a trainer died, or the schedule failed); the message says how to resume."""
 
 
+def _in_sample_order(values: dict[int, float]) -> list[float]:
+    """Values by id (sample or prompt): batch statistics must not depend on which fragment came first."""
+    return [values[k] for k in sorted(values)]
+
+
 # Where a token's seconds count in its batch's phase times (REWARD: minus its decode, counted apart).
 _PHASE = {TokenKind.ROLLOUT: "t_rollout", TokenKind.REWARD: "t_reward", TokenKind.TRAIN: "t_train"}
 
@@ -63,7 +68,7 @@ class _Book:
     prompts: list[str]
     assembler: GroupAssembler
     adv: dict[int, tuple[float, bool]] = field(default_factory=dict)
-    rewards: list[float] = field(default_factory=list)
+    rewards: dict[int, float] = field(default_factory=dict)  # sample id -> reward (fragments arrive in any order)
     groups: int = 0
     zero_groups: int = 0
     sums: list[dict[str, float]] = field(default_factory=list)
@@ -72,9 +77,9 @@ class _Book:
     stored_at: dict[int, str] = field(default_factory=dict)
     images: dict[int, torch.Tensor] = field(default_factory=dict)
     staleness: int = 0
-    components: dict[str, list[float]] = field(default_factory=dict)  # reward name -> per-sample scores
+    components: dict[str, dict[int, float]] = field(default_factory=dict)  # reward name -> sample id -> score
     failed: int = 0  # samples scored with the failure penalty
-    group_std: list[float] = field(default_factory=list)
+    group_std: dict[int, float] = field(default_factory=dict)  # prompt id -> its group's reward std
     phase: dict[str, float] = field(default_factory=dict)  # PHASE_KEYS -> seconds of this batch's tokens
 
 
@@ -333,17 +338,18 @@ class Coordinator:
             completed = []
             for frag, rewards, comps in zip(token.fragments, result["rewards"], result["components"], strict=True):
                 book.stored_at[frag.index] = result["store"]
-                book.rewards.extend(float(r) for r in rewards)
+                sids = frag.sample_ids()
+                book.rewards.update(zip(sids, map(float, rewards), strict=True))
                 for name, scores in comps.items():
-                    book.components.setdefault(name, []).extend(float(x) for x in scores)
+                    book.components.setdefault(name, {}).update(zip(sids, map(float, scores), strict=True))
                 prompts = [frag.prompt_start + i // frag.num_members for i in range(frag.num_samples)]
-                completed += book.assembler.add(prompts, frag.sample_ids(), rewards)
+                completed += book.assembler.add(prompts, sids, rewards)
             for imgs, frag in zip(result.get("images", []), token.fragments, strict=False):
                 book.images[frag.index] = imgs
             for group in completed:
                 book.groups += 1
                 book.zero_groups += group.zero_std
-                book.group_std.append(float(group.rewards.double().std(unbiased=False)))
+                book.group_std[group.prompt_id] = float(group.rewards.double().std(unbiased=False))
                 for sid, a in zip(group.sample_ids, group.advantages.tolist(), strict=True):
                     book.adv[sid] = (a, group.zero_std)
             if completed:
@@ -370,21 +376,22 @@ class Coordinator:
         bubbles = window_bubbles(self.spans.spans, [d.name for d in self.devices if d.name in self.alive],
                                  start_rel, end_rel, running)
         bubbles["overall"] = sum(bubbles.values()) / max(1, len(bubbles))
-        rewards = torch.tensor(book.rewards, dtype=torch.float64)
+        rewards = torch.tensor(_in_sample_order(book.rewards), dtype=torch.float64)
         stats = reduce_stats(book.sums) if book.sums else {}
         seconds = end - self._last_optim
         self._last_optim = end
-        adv = [a for a, _ in book.adv.values()]
+        adv = _in_sample_order({sid: a for sid, (a, _) in book.adv.items()})
         metrics = StepMetrics(
             step=batch, version=batch + 1, time=end_rel, seconds=seconds,
             samples_per_s=self.workload.samples_per_batch / max(seconds, 1e-9),
             reward_mean=float(rewards.mean()), reward_std=float(rewards.std(unbiased=False)),
-            reward_std_mean=sum(book.group_std) / max(1, len(book.group_std)), reward_failures=book.failed,
+            reward_std_mean=sum(_in_sample_order(book.group_std)) / max(1, len(book.group_std)),
+            reward_failures=book.failed,
             zero_std_ratio=book.zero_groups / max(1, book.groups), adv_abs_mean=sum(map(abs, adv)) / max(1, len(adv)),
             rows_trained=sum(e - s for spans in book.ledger.values() for s, e in spans), rows_kept=book.kept_rows,
             **{k: stats.get(k, 0.0) for k in LOSS_KEYS}, grad_norm=optim["grad_norm"], max_staleness=book.staleness,
             bubble_ratio=bubbles, **{k: book.phase.get(k, 0.0) for k in PHASE_KEYS},
-            rewards={name: sum(v) / len(v) for name, v in book.components.items() if v},
+            rewards={name: float(torch.tensor(_in_sample_order(v)).mean()) for name, v in book.components.items() if v},
         ).line()
         self.history.append(metrics)
         if book.images and self.on_images is not None:
