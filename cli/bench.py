@@ -20,6 +20,7 @@ _EPILOG = examples(
     "digenrl bench bubbles                                  # paper scenarios x all schedules",
     "digenrl bench bubbles --scenario qwen-16 --out runs/bubbles",
     "digenrl bench bubbles --scenario scale-1024 --schedule colocated --schedule async1 --batches 100",
+    "digenrl bench bubbles --scenario flux-32 --schedule async1 --schedule verl-omni-async  # digenrl vs a peer",
     "digenrl bench bubbles --list",
     "digenrl bench bubbles --real --batches 20 --repeats 3 --out runs/real  # the tiny model, for real, here",
 )
@@ -28,7 +29,8 @@ _EPILOG = examples(
 @bench_app.command("bubbles", epilog=_EPILOG)
 def bubbles(
     scenario: list[str] = typer.Option(None, "--scenario", help="Scenario name (repeatable); default: paper + hetero."),
-    schedule: list[str] = typer.Option(None, "--schedule", help="Schedule name (repeatable); default: all."),
+    schedule: list[str] = typer.Option(None, "--schedule", help="Schedule or peer name (repeatable); default: all "
+                                       "of digenrl's schedules and the modelled peers."),
     batches: int = typer.Option(20, "--batches", min=2, help="Optimizer steps per simulated run."),
     out: Path = typer.Option(None, "--out", help="Write bubbles.json, trace-*.json and gantt-*.png here."),
     list_: bool = typer.Option(False, "--list", help="List scenarios and schedules, then exit."),
@@ -37,6 +39,8 @@ def bubbles(
     repeats: int = typer.Option(1, "--repeats", min=1, help="--real: interleaved rounds; rows report the median run."),
     config: Path = typer.Option(None, "--config", help="--real: the run config (default configs/tiny-qwenimage.toml)."),
     set_: list[str] = typer.Option(None, "--set", help="--real: override a config value, e.g. rollout.prompts_per_batch=8."),
+    decomposition: bool = typer.Option(True, "--decomposition/--no-decomposition",
+                                       help="With async1 selected: where its gain over each baseline comes from."),
 ) -> None:
     """Simulate scenarios x schedules (or, with --real, measure them on this machine): samples/s, speedup,
     bubble ratios, staleness, sync share."""
@@ -49,6 +53,7 @@ def bubbles(
     from digenrl.errors import ConfigError
     from digenrl.schedule import SCHEDULES
     from digenrl.sim.bench import run_bubbles
+    from digenrl.sim.peers import PEERS
     from digenrl.sim.profiles import profile
     from digenrl.sim.scenarios import SCENARIOS
 
@@ -62,16 +67,18 @@ def bubbles(
                           f"{s.num_steps} / {s.trained_steps}")
         console.print(table)
         console.print("schedules: " + ", ".join(SCHEDULES))
+        console.print("peers (modelled baselines): " + "; ".join(f"{p.name} = {p.system}" for p in PEERS.values()))
         return
     try:
-        report = run_bubbles(scenario or None, schedule or None, batches, out)
+        report = run_bubbles(scenario or None, schedule or None, batches, out, decomposition=decomposition)
     except ConfigError as exc:
         console.print(f"[red]error:[/red] {exc}")
         raise typer.Exit(2) from exc
     table = Table(title=f"digenrl bench bubbles ({batches} batches, steady window: warm-up batch excluded)")
     for col in ("scenario", "split R/T", "schedule", "samples/s", "speedup", "bound", "bubble roll", "bubble train",
-                "bubble all", "stale", "sync %", "switch %"):
-        table.add_column(col, justify="right" if col not in ("scenario", "schedule") else "left")
+                "bubble all", "stale", "sync %", "switch %", "aborted %"):
+        table.add_column(col, justify="right" if col not in ("scenario", "schedule") else "left",
+                         no_wrap=col == "schedule")
     for r in report.rows:
         split = r["split"]
         split_s = f"{split['hybrid']}H" if split["hybrid"] else f"{split['rollout']}/{split['trainer']}"
@@ -79,14 +86,32 @@ def bubbles(
         bound = r["speedup_bound"]
         table.add_row(r["scenario"], split_s, r["schedule"], f"{r['samples_per_s']:.3f}", f"{r['speedup_vs_colocated']:.2f}x",
                       f"{bound:.2f}x" if bound else "-", f"{b['rollout']:.1%}", f"{b['trainer']:.1%}", f"{b['overall']:.1%}",
-                      str(r["max_staleness"]), f"{r['weight_sync_share']:.2%}", f"{r['switch_share']:.2%}")
+                      str(r["max_staleness"]), f"{r['weight_sync_share']:.2%}", f"{r['switch_share']:.2%}",
+                      f"{r['aborted_share']:.1%}")
     console.print(table)
+    if report.decomposition:
+        console.print(_decomposition_table(report.decomposition))
     cal = report.calibration
     console.print(f"cost model fixed from the veRL-Omni colocated calibration: mfu_rollout={cal['mfu_rollout']:.3f}, "
                   f"mfu_train={cal['mfu_train']:.3f}, mfu_reward={cal['mfu_reward']:.4f}; the colocated baseline also "
                   f"recomputes old log-probs ({cal['old_logprob_passes']:g} forward/row)")
     for path in report.files[:1]:
         console.print(f"wrote {path} and {len(report.files) - 1} trace/Gantt files")
+
+
+def _decomposition_table(decomposition: dict) -> object:
+    """One row per (scenario, baseline): async1's total gain and each cause's factor, in chain order."""
+    from rich.table import Table
+
+    table = Table(title="where async1's gain comes from (each factor: samples/s over the previous link's; "
+                        "they multiply to the total)")
+    for col in ("scenario", "baseline", "async1 / baseline", "causes, in order"):
+        table.add_column(col, justify="right" if col == "async1 / baseline" else "left")
+    for name, chains in decomposition.items():
+        for baseline, chain in chains.items():
+            causes = "; ".join(f"{link['cause']} {link['factor']:.2f}x" for link in chain["links"][1:])
+            table.add_row(name, baseline, f"{chain['total']:.2f}x", causes)
+    return table
 
 
 def _real(schedules: list[str] | None, batches: int, out: Path | None, repeats: int, config: Path | None,

@@ -3,6 +3,8 @@
 ``run_bubbles`` simulates every selected (scenario, schedule) pair with the calibrated, fixed cost
 model, and with ``out`` writes ``bubbles.json``, one Chrome trace per pair and one Gantt PNG per
 scenario. Rows use the steady window (warm-up batch excluded); the ``full`` block has ``[0, wall]``.
+A "schedule" is one of digenrl's (``SCHEDULES``) or a peer modelled in ``peers.py`` (``PEERS``); with
+``async1`` selected each scenario also gets the decomposition of ``decompose.py``.
 """
 
 from __future__ import annotations
@@ -17,17 +19,22 @@ from digenrl.errors import ConfigError
 from digenrl.schedule import SCHEDULES, make_schedule
 from digenrl.schedule.base import Role
 from digenrl.sim.calibration import calibrate
+from digenrl.sim.decompose import decompose
 from digenrl.sim.engine import simulate
+from digenrl.sim.peers import PEERS, simulate_peer
 from digenrl.sim.profiles import profile
 from digenrl.sim.scenarios import DEFAULT_BATCHES, SCENARIOS, Scenario, placement, scenario
+from digenrl.telemetry.spans import Timeline, busy_seconds
 from digenrl.telemetry.stats import summarize
 from digenrl.telemetry.trace import write_gantt, write_trace
 
-__all__ = ["BubbleReport", "run_bubbles", "simulate_pair", "DEFAULT_SCENARIOS"]
+__all__ = ["BubbleReport", "run_bubbles", "simulate_pair", "DEFAULT_SCENARIOS", "RUNS"]
 
 # The default selection: the paper scenarios and the heterogeneous testbed (the scaling sweep is
 # selected by name, e.g. ``--scenario scale-1024``).
 DEFAULT_SCENARIOS: tuple[str, ...] = tuple(s.name for s in SCENARIOS.values() if s.kind != "scaling")
+# What a row can be: digenrl's schedules, then the peers.
+RUNS: tuple[str, ...] = (*SCHEDULES, *PEERS)
 
 
 @dataclass(slots=True)
@@ -35,9 +42,10 @@ class BubbleReport:
     rows: list[dict[str, Any]]
     calibration: dict[str, Any]
     files: list[Path] = field(default_factory=list)
+    decomposition: dict[str, Any] = field(default_factory=dict)  # scenario -> decompose() result
 
     def to_json(self) -> dict[str, Any]:
-        return {"rows": self.rows, "calibration": self.calibration,
+        return {"rows": self.rows, "calibration": self.calibration, "decomposition": self.decomposition,
                 "definitions": {
                     "window": "steady = from the end of batch 0's optimizer step to the last one (warm-up "
                               "excluded); full = [0, wall]",
@@ -45,11 +53,17 @@ class BubbleReport:
                     "weight_sync_share": "PUBLISH device-seconds / (devices x window)",
                     "speedup_bound": "colocated seconds per batch / (rollout + TSP-packed training device-seconds "
                                      "per batch / devices): what a bubble-free schedule could reach",
+                    "colocated": "veRL-Omni's hybrid engine (the calibration run): switches and old-log-prob recompute",
+                    "peers": {p.name: f"{p.system}: {p.source}" for p in PEERS.values()},
+                    "decomposition": "per baseline, a chain of runs changing one cause at a time up to async1; "
+                                     "factor = samples/s over the previous link's (they multiply to the total)",
                 }}
 
 
 def simulate_pair(sc: Scenario, schedule: str, num_batches: int) -> Timeline:
-    """Simulate one scenario under one schedule with the calibrated cost model."""
+    """Simulate one scenario under one schedule (or peer, ``PEERS``) with the calibrated cost model."""
+    if schedule in PEERS:
+        return simulate_peer(sc, PEERS[schedule], num_batches)
     devices, cost = placement(sc, colocated=schedule == "colocated")
     workload = sc.workload(num_batches)
     return simulate(make_schedule(schedule, devices, workload, cost), devices, workload, cost)
@@ -71,7 +85,7 @@ def _row(sc: Scenario, res: Timeline, sim_s: float) -> dict[str, Any]:
     s, f = st.steady, st.full
     return {
         "scenario": sc.name, "model": profile(sc.model).name, "devices": sc.num_devices, "testbed": sc.testbed,
-        "schedule": res.schedule,
+        "schedule": res.schedule, "system": PEERS[res.schedule].system if res.schedule in PEERS else "digenrl",
         "split": {"rollout": sum(d.role is Role.ROLLOUT for d in res.devices),
                   "trainer": sum(d.role is Role.TRAINER for d in res.devices),
                   "hybrid": sum(d.role is Role.HYBRID for d in res.devices)},
@@ -79,6 +93,7 @@ def _row(sc: Scenario, res: Timeline, sim_s: float) -> dict[str, Any]:
         "bubble_ratio": {"rollout": s.bubble_rollout, "trainer": s.bubble_trainer, "overall": s.bubble_overall},
         "max_staleness": st.max_staleness,
         "weight_sync_share": s.weight_sync_share, "switch_share": s.switch_share,
+        "aborted_share": _aborted_share(res, s.start, s.end),
         "full": {"samples_per_s": f.samples_per_s,
                  "bubble_ratio": {"rollout": f.bubble_rollout, "trainer": f.bubble_trainer, "overall": f.bubble_overall}},
         "num_batches": res.workload.num_batches, "samples_scored": st.samples_scored, "wall_s": res.wall,
@@ -86,25 +101,34 @@ def _row(sc: Scenario, res: Timeline, sim_s: float) -> dict[str, Any]:
     }
 
 
+def _aborted_share(res: Timeline, start: float, end: float) -> float:
+    """Device-seconds of rollouts thrown away on weight syncs, over devices x the window."""
+    length = (end - start) * len(res.devices)
+    wasted = busy_seconds(res.spans, start, end, frozenset({"abort"}))
+    return wasted / length if length > 0 else 0.0
+
+
 def run_bubbles(scenarios: list[str] | None = None, schedules: list[str] | None = None,
-                num_batches: int = DEFAULT_BATCHES, out: Path | None = None, gantt_batches: int = 4) -> BubbleReport:
+                num_batches: int = DEFAULT_BATCHES, out: Path | None = None, gantt_batches: int = 4,
+                decomposition: bool = True) -> BubbleReport:
     """Simulate scenarios x schedules and (with ``out``) write bubbles.json, traces and Gantt PNGs.
 
     Args:
         scenarios: scenario names (default: the paper scenarios and the heterogeneous testbed).
-        schedules: schedule names (default: all, colocated first).
+        schedules: schedule or peer names (default: all of ``RUNS``, colocated first).
         num_batches: optimizer steps per run.
         out: directory for the artefacts; created if missing.
         gantt_batches: the Gantt shows the first this many batches of every schedule.
+        decomposition: with ``async1`` selected, also run ``decompose`` per scenario.
 
     Raises:
         ConfigError: an unknown scenario or schedule name, or ``num_batches < 2``.
     """
     names = list(scenarios or DEFAULT_SCENARIOS)
-    chosen = list(schedules or SCHEDULES)
+    chosen = list(schedules or RUNS)
     for s in chosen:
-        if s not in SCHEDULES:
-            raise ConfigError(f"unknown schedule {s!r}; known: {', '.join(SCHEDULES)}")
+        if s not in RUNS:
+            raise ConfigError(f"unknown schedule {s!r}; known: {', '.join(SCHEDULES)}; peers: {', '.join(PEERS)}")
     if num_batches < 2:
         raise ConfigError(f"num_batches={num_batches}: needs at least 2 (the first batch is the warm-up window)")
     cal = calibrate()
@@ -137,6 +161,8 @@ def run_bubbles(scenarios: list[str] | None = None, schedules: list[str] | None 
             r["speedup_vs_colocated"] = r["samples_per_s"] / base_sps if base_sps else None
             r["speedup_bound"] = bound
         report.rows.extend(rows)
+        if decomposition and "async1" in chosen:
+            report.decomposition[sc.name] = decompose(sc, num_batches, {r["schedule"]: r["samples_per_s"] for r in rows})
         if out is not None:
             k = min(gantt_batches, num_batches) - 1
             until = max(res.optim_end.get(k, res.wall) for res in results)

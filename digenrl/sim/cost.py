@@ -67,6 +67,14 @@ class CostParams:
             train (``TRAIN_PASSES``) is 15-20 % of the calibrated step. digenrl's rollout stores the
             behaviour log-probs with the trajectory (DESIGN.md §3), so dedicated trainers skip it.
             0 models a baseline in bypass mode.
+        trainer_old_logprob_passes: the same recompute on a dedicated (``Role.TRAINER``) trainer. 0 for
+            digenrl (stored behaviour log-probs); a peer that recomputes in its disaggregated mode
+            (veRL-Omni's async trainer outside bypass mode) sets 1 (``peers.py``).
+        phase_switches: a colocated device pays the engine switch between rollout and training
+            (veRL-Omni's hybrid engine: vLLM-style sleep/wake and FSDP re-shard). ``False`` models a
+            loop that samples and trains with the same weights in one process (Flow-GRPO's own).
+        lend_switch_seconds: measured (to helper, back to trainer) seconds of lending a trainer to
+            rollout, replacing the first-principles onload/offload (veRL-Omni PR #575: 9.1 s / 3.3 s).
         mfu_reward: utilisation of the reward model's forwards (``None``: ``mfu_rollout``). Fitted to
             veRL-Omni's async-reward row: moving Qwen3-VL-8B scoring off the 4 training GPUs took the
             step from 420 s to 360 s (``docs/algo/performance.md``), so scoring 512 images costs about
@@ -82,6 +90,9 @@ class CostParams:
     pass_latency_s: float = 0.005
     old_logprob_passes: float = 1.0
     mfu_reward: float | None = None
+    trainer_old_logprob_passes: float = 0.0
+    phase_switches: bool = True
+    lend_switch_seconds: tuple[float, float] | None = None
 
     def __post_init__(self) -> None:
         if self.mfu_reward is not None and not 0.0 < self.mfu_reward <= 1.0:
@@ -214,8 +225,9 @@ class CostModel:
     def _train(self, token: Token, device: Device, spec: DeviceSpec) -> float:
         p = self.params
         seconds = self._compute(token.transitions * self._k["train"], spec, p.mfu_train)
-        if self.roles.get(device.name) is Role.HYBRID:
-            seconds *= (TRAIN_PASSES + p.old_logprob_passes) / TRAIN_PASSES  # the old-log-prob recompute
+        role = self.roles.get(device.name)
+        recompute = {Role.HYBRID: p.old_logprob_passes, Role.TRAINER: p.trainer_old_logprob_passes}.get(role, 0.0)
+        seconds *= (TRAIN_PASSES + recompute) / TRAIN_PASSES  # the old-log-prob recompute
         if token.packed:
             seconds *= 1.0 - p.tsp_train_saving
         if self.roles.get(device.name) is Role.TRAINER:
@@ -240,27 +252,34 @@ class CostModel:
 
     def switch_seconds(self, name: str) -> float:
         """One colocated phase switch: the rollout engine's full bf16 weights one way over PCIe
-        (vLLM sleep/wake) and the FSDP parameter shard the other way."""
+        (vLLM sleep/wake) and the FSDP parameter shard the other way; 0 without phase switches."""
+        if not self.params.phase_switches:
+            return 0.0
         spec = self.specs[name]
         moved = self.profile.weight_bytes * (1.0 + 1.0 / self._train_side)
         return moved / (spec.pcie_bytes_per_s * self.params.pcie_efficiency)
 
     def helper_switch_seconds(self, device: Device) -> float:
-        """``base.SwitchCost``: the schedule's TAG decision charges what the engine charges."""
-        return self.tag_switch_seconds(device.name)
+        """``base.SwitchCost``: the schedule's TAG decision charges what the engine charges (per change,
+        the mean of the two directions)."""
+        return 0.5 * (self.tag_switch_seconds(device.name, True) + self.tag_switch_seconds(device.name, False))
 
-    def tag_switch_seconds(self, name: str) -> float:
-        """A trainer entering or leaving helper generation: onload/offload the rollout weights."""
+    def tag_switch_seconds(self, name: str, to_helper: bool = True) -> float:
+        """A trainer entering (``to_helper``) or leaving helper generation: onload/offload the rollout
+        weights, or the measured figures of ``lend_switch_seconds``."""
+        if self.params.lend_switch_seconds is not None:
+            return self.params.lend_switch_seconds[0 if to_helper else 1]
         spec = self.specs[name]
         return self.profile.weight_bytes / (spec.pcie_bytes_per_s * self.params.pcie_efficiency)
 
     # -- whole-batch work, for choosing splits -----------------------------------------------------
 
     def batch_work(self, samples: int, prompts: int, num_steps: int, trained_rows: int, spec: DeviceSpec) -> tuple[float, float]:
-        """Device-seconds of rollout (+reward) and of training for one logical batch on ``spec``."""
+        """Device-seconds of rollout (+reward) and of training for one logical batch on ``spec`` (training as
+        a dedicated trainer runs it: with ``trainer_old_logprob_passes`` when the modelled system recomputes)."""
         p, prof = self.params, self.profile
         roll = samples * num_steps * prof.cfg_rollout * prof.forward_flops + prompts * prof.text_flops
         roll += samples * prof.decode_flops
         reward = self._compute(samples * prof.reward_flops, spec, self._mfu_reward)
-        train = trained_rows * prof.cfg_train * TRAIN_PASSES * prof.forward_flops
+        train = trained_rows * prof.cfg_train * (TRAIN_PASSES + p.trainer_old_logprob_passes) * prof.forward_flops
         return self._compute(roll, spec, p.mfu_rollout) + reward, self._compute(train, spec, p.mfu_train)

@@ -10,6 +10,11 @@ becomes one :class:`~digenrl.telemetry.spans.Span` per occupied device, and the 
 A trainer that changes between training and TAG helping (``Token.helper``) first pays the cost
 model's ``tag_switch_seconds`` (onload/offload of the rollout weights); that time is recorded as a
 SWITCH span and is not reported to the schedule as the token's own run time.
+
+``sync_aborts`` models a peer whose rollout engines abort the requests in flight when new weights
+arrive and regenerate them (veRL-Omni v0.3, issues #586/#610): when a PUBLISH ends, every ROLLOUT
+token running on a rollout device starts over; the work thrown away becomes an ``abort`` span
+(overhead, not compute) and the token ends that much later.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ class SimulationError(DigenrlError):
 
 
 def simulate(schedule: Schedule, devices: list[Device], workload: Workload, cost: CostModel,
-             max_tokens: int = 50_000_000) -> Timeline:
+             max_tokens: int = 50_000_000, sync_aborts: bool = False) -> Timeline:
     """Run ``schedule`` to completion on a virtual clock.
 
     Args:
@@ -38,6 +43,7 @@ def simulate(schedule: Schedule, devices: list[Device], workload: Workload, cost
         workload: the workload the schedule was built with (kept for the metrics).
         cost: predicts each token's seconds.
         max_tokens: safety bound against a schedule that never finishes.
+        sync_aborts: every weight publication restarts the rollouts in flight (see the module docstring).
 
     Raises:
         SimulationError: a token names an unknown or busy device, the schedule stalls (no token
@@ -48,6 +54,7 @@ def simulate(schedule: Schedule, devices: list[Device], workload: Workload, cost
     mode: dict[str, bool] = {}  # trainer -> currently set up as a helper (holds rollout weights)
     heap: list[tuple[float, int, float, Token]] = []
     spans: list[Span] = []
+    rollout_span: dict[int, int] = {}  # token id -> index of its span (sync_aborts only)
     optim_end: dict[int, float] = {}
     seq = 0
     now = 0.0
@@ -68,12 +75,14 @@ def simulate(schedule: Schedule, devices: list[Device], workload: Workload, cost
                 want_helper = token.kind is not TokenKind.TRAIN
                 if mode.get(device.name, False) != want_helper:
                     mode[device.name] = want_helper
-                    extra = cost.tag_switch_seconds(device.name)
+                    extra = cost.tag_switch_seconds(device.name, want_helper)
                     spans.append(Span(device.name, TokenKind.SWITCH, token.batch, -1, token.policy_version,
                                       start, start + extra, helper=want_helper, token=token.id))
                     start += extra
             seconds = cost.seconds(token, device)
             end = start + seconds
+            if sync_aborts and token.kind is TokenKind.ROLLOUT and device.role is Role.ROLLOUT:
+                rollout_span[token.id] = len(spans)
             for name in occupied:
                 busy[name] = token.id
                 spans.append(Span(name, token.kind, token.batch, token.fragment, token.policy_version, start, end,
@@ -89,6 +98,10 @@ def simulate(schedule: Schedule, devices: list[Device], workload: Workload, cost
             del busy[name]
         if token.kind is TokenKind.OPTIM:
             optim_end[token.batch] = now
+        if token.kind is TokenKind.ROLLOUT:
+            rollout_span.pop(token.id, None)
+        elif token.kind is TokenKind.PUBLISH and rollout_span:
+            heap = _abort_rollouts(heap, spans, rollout_span, now)
         new = schedule.on_event(TokenDone(token, observed_seconds=seconds))
         if schedule.failed:
             raise SimulationError(f"schedule {schedule.name!r} failed at t={now:.3f}s: {schedule.failed}")
@@ -99,3 +112,20 @@ def simulate(schedule: Schedule, devices: list[Device], workload: Workload, cost
     if not schedule.done:
         raise SimulationError(f"schedule {schedule.name!r} stalled at t={now:.3f}s: nothing running and not done")
     return Timeline(schedule.name, list(devices), workload, spans, now, issued, optim_end)
+
+
+def _abort_rollouts(heap: list[tuple[float, int, float, Token]], spans: list[Span], running: dict[int, int],
+                    now: float) -> list[tuple[float, int, float, Token]]:
+    """Restart every tracked ROLLOUT token at ``now``: its elapsed part becomes an ``abort`` span."""
+    out = []
+    for end, seq, seconds, token in heap:
+        i = running.get(token.id)
+        if i is not None and spans[i].start < now:
+            old = spans[i]
+            spans[i] = old._replace(kind="abort", end=now, samples=0)
+            running[token.id] = len(spans)
+            spans.append(old._replace(start=now, end=end + (now - old.start)))
+            end += now - old.start
+        out.append((end, seq, seconds, token))
+    heapq.heapify(out)
+    return out

@@ -25,6 +25,7 @@ KIND_COLORS: dict[str, str] = {
     "optim": "#C44E52",
     "publish": "#8172B3",
     "switch": "#937860",
+    "abort": "#7F7F7F",  # a peer's rollout work thrown away on a weight sync (sim/peers.py)
 }
 _HELPER_COLOR = "#64B5CD"  # TAG: a trainer generating
 
