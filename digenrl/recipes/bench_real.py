@@ -92,7 +92,7 @@ class MeasuredCost:
         overhead, per = self.fits.get(token.kind.value, (1e-3, 0.0))
         return max(1e-4, overhead + per * _units(token)) / device.speed
 
-    def tag_switch_seconds(self, name: str) -> float:
+    def tag_switch_seconds(self, name: str, to_helper: bool = True) -> float:
         return 0.0  # a TAG trainer holds the newest weights already: no onload/offload on CPU
 
     def to_dict(self) -> dict[str, dict[str, float]]:

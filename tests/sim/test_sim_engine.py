@@ -21,7 +21,7 @@ class _FixedCost:
     def seconds(self, token: Token, device: Device) -> float:
         return float(token.meta["s"])
 
-    def tag_switch_seconds(self, name: str) -> float:
+    def tag_switch_seconds(self, name: str, to_helper: bool = True) -> float:
         return 0.0
 
 
