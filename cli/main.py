@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from digenrl_cli import bench, run, worker
+from digenrl_cli import bench, keys, run, worker
 
 app = typer.Typer(
     name="digenrl",
@@ -33,6 +33,7 @@ def version() -> None:
 run.register(app)
 bench.register(app)
 worker.register(app)
+keys.register(app)
 
 if __name__ == "__main__":
     app()

@@ -16,8 +16,15 @@ _EPILOG = examples(
     "# addresses are concrete interfaces, because each side replies to the address the other bound",
     "digenrl worker --join tcp://10.0.0.1:5555 --listen tcp://10.0.0.2:0",
     "",
+    "# across hosts, CURVE keys are required (the same directory on every host):",
+    "digenrl keys create ~/.digenrl/keys",
+    "digenrl worker --join tcp://10.0.0.1:5555 --listen tcp://10.0.0.2:0 --keys ~/.digenrl/keys",
+    "",
     "# same host (tests, a quick try): loopback is the default --listen",
     "digenrl worker --join tcp://127.0.0.1:5555 --name gpu0",
+    "",
+    "# host a class of your own besides digenrl's roles",
+    "digenrl worker --join tcp://127.0.0.1:5555 --allow mypkg.actors:Greeter",
 ) + """
 
 Pass --join exactly as the system reports it (ActorSystem.address, logged at start):
@@ -25,7 +32,8 @@ tcp://127.0.0.1:5555 and tcp://localhost:5555 are different peers to ZeroMQ.
 
 The worker exits with code 0 when the system shuts down, on SIGTERM/SIGINT, or (code 1) when the
 system stops answering heartbeats. Actor classes are imported by module path, so the worker needs
-the same code (and PYTHONPATH) as the driver.
+the same code (and PYTHONPATH) as the driver; it hosts only digenrl's roles and the classes given
+with --allow (a peer naming any other class is refused before anything is imported).
 """
 
 
@@ -42,9 +50,17 @@ def worker(
     name: str | None = typer.Option(None, "--name", help="Worker name in logs and `ps` (default worker-HOST-PID)."),
     transport: str = typer.Option("zmq", "--transport", help="Transport kind; must match the system's."),
     log_level: str = typer.Option("INFO", "--log-level", help="DEBUG, INFO, WARNING or ERROR."),
+    keys: str | None = typer.Option(None, "--keys", help="CURVE keys directory (digenrl keys create PATH); "
+                                    "required off loopback, the same as the system's transport.keys."),
+    allow: list[str] | None = typer.Option(None, "--allow", help="Also host this actor class, module:Class "
+                                           "(repeatable; digenrl's roles are always allowed)."),
 ) -> None:
     """Join a running digenrl system and host the actors it spawns here."""
+    from digenrl.actors.allowlist import AllowList
     from digenrl.actors.worker import run_worker
+    from digenrl.errors import ConfigError
+    from digenrl.roles import ROLE_CLASSES
+    from digenrl.transport.curve import load_keys
 
     name = name or f"worker-{socket.gethostname()}-{os.getpid()}"
     try:
@@ -58,7 +74,14 @@ def worker(
         format=f"%(asctime)s digenrl-{name}[%(process)d] %(levelname)s %(name)s: %(message)s",
     )
     try:
-        reason = asyncio.run(run_worker(join, name=name, listen=listen, transport=transport))
+        allowed = AllowList([*ROLE_CLASSES, *(allow or [])])
+        cluster_keys = load_keys(keys) if keys else None
+    except (ConfigError, ValueError) as exc:
+        typer.echo(f"digenrl worker: {exc}", err=True)
+        raise typer.Exit(2) from None
+    try:
+        reason = asyncio.run(run_worker(join, name=name, listen=listen, transport=transport, allow=allowed,
+                                        keys=cluster_keys))
     except Exception as exc:  # a clear one-line reason (system unreachable, bad address), not a traceback
         typer.echo(f"digenrl worker: {type(exc).__name__}: {exc}", err=True)
         raise typer.Exit(1) from None

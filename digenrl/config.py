@@ -282,13 +282,16 @@ class TransportConfig:
 
     ``actors``: ``zmq`` (one process per actor) or ``inproc`` (all in this process); ``weights``:
     ``zmq``, ``torchdist`` (gloo on CPU, NCCL on GPU) or ``cuda_ipc``; ``address``: the driver's bind
-    address (empty: a private ipc path; ``tcp://<this host>:<port>`` for joining workers).
+    address (empty: a private ipc path; ``tcp://<this host>:<port>`` for joining workers); ``keys``:
+    the CURVE keys directory (``digenrl keys create PATH``), required for an address off loopback and
+    then used by every process of the run.
     """
 
     actors: str = "zmq"
     weights: str = "zmq"
     bucket_mb: float = 64.0  # weight buckets
     address: str = ""
+    keys: str = ""
 
     def __post_init__(self) -> None:
         _choice("transport.actors", self.actors, ("zmq", "inproc"))

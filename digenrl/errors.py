@@ -15,6 +15,7 @@ __all__ = [
     "RemoteError",
     "StalenessViolation",
     "ConfigError",
+    "ActorNotAllowed",
 ]
 
 
@@ -64,3 +65,7 @@ class StalenessViolation(DigenrlError):
 
 class ConfigError(DigenrlError):
     """A configuration key or value is invalid; the message names the key and the allowed values."""
+
+
+class ActorNotAllowed(DigenrlError):
+    """A worker was asked to host an actor class that is not on its allow-list (the message says how to add it)."""

@@ -71,7 +71,7 @@ def test_the_runtime_holds_only_runtime_files() -> None:
     """digenrl/actors is what a user embeds: no RL role lives there."""
     files = {p.stem for p in (PACKAGE / "actors").glob("*.py")}
     assert files == {"__init__", "base", "_context", "_mailbox", "_node", "_wire", "_agent", "_child", "process",
-                     "system", "worker"}
+                     "system", "worker", "allowlist"}
 
 
 def test_every_package_ships_in_the_wheel() -> None:

@@ -5,18 +5,22 @@ Public API::
     from digenrl.actors import Actor, ActorRef, ActorSystem, broadcast, endpoint
 
 See :mod:`digenrl.actors.base` for actors and endpoints, :mod:`digenrl.actors.system` for
-spawning, supervision and shutdown, and :mod:`digenrl.actors.worker` for ``digenrl worker --join``.
+spawning, supervision and shutdown, :mod:`digenrl.actors.worker` for ``digenrl worker --join`` and
+:mod:`digenrl.actors.allowlist` for the classes a worker agrees to host.
 """
 
 from __future__ import annotations
 
+from digenrl.actors.allowlist import AllowList, register_actor_class
 from digenrl.actors.base import Actor, ActorRef, BoundEndpoint, Endpoint, broadcast, endpoint
 from digenrl.actors.system import ActorSystem, Worker
-from digenrl.errors import ActorDied, RemoteError
+from digenrl.errors import ActorDied, ActorNotAllowed, RemoteError
 
 __all__ = [
     "Actor",
     "ActorDied",
+    "ActorNotAllowed",
+    "AllowList",
     "ActorRef",
     "ActorSystem",
     "BoundEndpoint",
@@ -25,4 +29,5 @@ __all__ = [
     "Worker",
     "broadcast",
     "endpoint",
+    "register_actor_class",
 ]

@@ -5,7 +5,8 @@
   register its address; the system then supervises it (heartbeats, process sentinel).
 * ``NodeAgent`` (name ``_agent``) runs in every worker process. The system calls
   ``spawn_actor`` to build and host an actor there, ``stop_actor`` and ``shutdown``. It answers
-  only the system that the worker joined (``Node.trusted``), because ``spawn_actor`` imports code.
+  only the system that the worker joined (``Node.trusted``), and only classes on its
+  :class:`~digenrl.actors.allowlist.AllowList`, because ``spawn_actor`` imports code.
 
 Actor classes travel by import path (``module:qualname``), never pickled. A class defined in the
 script being run (``__main__``) travels with the script's path and is loaded in the worker as
@@ -23,6 +24,7 @@ import sys
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
+from digenrl.actors.allowlist import AllowList
 from digenrl.actors.base import Actor, endpoint
 
 if TYPE_CHECKING:
@@ -124,9 +126,10 @@ class Registry(Actor):
 class NodeAgent(Actor):
     """A worker process's agent: hosts actors on the system's behalf."""
 
-    def __init__(self, node: Node, stop: asyncio.Event) -> None:
+    def __init__(self, node: Node, stop: asyncio.Event, allow: AllowList) -> None:
         self._node = node
         self._stop = stop
+        self._allow = allow
         self.shutting_down = False  # the system asked us to go: silence from it is expected now
 
     @endpoint
@@ -134,9 +137,11 @@ class NodeAgent(Actor):
         """Import the class, construct it, run its ``setup`` and host it as ``name``; returns this pid.
 
         Raises:
+            ActorNotAllowed: the class is not on this worker's allow-list (nothing was imported).
             Exception: whatever the import, the constructor or ``setup`` raised (its ``where`` names
                 ``<name>.__init__()`` or ``<name>.setup()``).
         """
+        self._allow.check(spec, self._node.name)
         cls = resolve_class(spec)
         try:
             actor = cls(*args, **kwargs)

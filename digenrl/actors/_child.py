@@ -44,6 +44,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--parent-timeout", type=float, default=30.0)
     p.add_argument("--parent-pid", type=int, default=None)
     p.add_argument("--log-level", default="INFO")
+    p.add_argument("--allow", default=None, help="module:Class, the one actor class this process hosts")
+    p.add_argument("--keys", default=None, help="the cluster's CURVE keys directory")
     args = p.parse_args(argv)
 
     try:
@@ -62,11 +64,15 @@ def main(argv: list[str] | None = None) -> int:
     # SIGTERM before the loop installs its handler must still exit cleanly (KeyboardInterrupt-free).
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
+    from digenrl.actors.allowlist import AllowList
     from digenrl.actors.worker import run_worker
+    from digenrl.transport.curve import load_keys
 
     try:
+        keys = load_keys(args.keys) if args.keys else None
         reason = asyncio.run(run_worker(args.join, name=args.name, listen=args.listen, transport=args.transport,
-                                        token=args.token, parent_timeout=args.parent_timeout))
+                                        token=args.token, parent_timeout=args.parent_timeout,
+                                        allow=AllowList([args.allow] if args.allow else []), keys=keys))
     except Exception:
         logging.getLogger("digenrl.actors").exception("actor process %s failed", args.name)
         return 1

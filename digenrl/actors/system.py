@@ -42,6 +42,7 @@ from digenrl.actors.base import Actor, ActorRef
 from digenrl.actors.process import ChildProcess, describe_exit
 from digenrl.errors import ActorDied, ConfigError, DigenrlError, RemoteError
 from digenrl.transport import make_transport
+from digenrl.transport.curve import ClusterKeys
 
 __all__ = ["ActorSystem", "Worker"]
 
@@ -77,6 +78,8 @@ class ActorSystem:
         shutdown_timeout: the one deadline of ``aclose``.
         spawn_timeout: how long a new process may take to import, join and finish ``setup``.
         transport_options: passed to ``make_transport``.
+        keys: the cluster's CURVE keys (``digenrl keys create``): the driver's node and every actor
+            process authenticate with them; required for an ``address`` off loopback.
     """
 
     def __init__(
@@ -90,12 +93,14 @@ class ActorSystem:
         spawn_timeout: float = 120.0,
         transport_options: dict[str, Any] | None = None,
         name: str = "system",
+        keys: ClusterKeys | None = None,
     ) -> None:
         if heartbeat_timeout <= heartbeat_interval:
             raise ValueError(f"heartbeat_timeout ({heartbeat_timeout}) must exceed heartbeat_interval ({heartbeat_interval})")
         self.transport_kind = transport
         self._address = address
-        self._transport_options = transport_options or {}
+        self._transport_options = {**(transport_options or {}), **({"curve": keys} if keys is not None else {})}
+        self.keys = keys
         self.heartbeat_interval = heartbeat_interval
         self.heartbeat_timeout = heartbeat_timeout
         self.shutdown_timeout = shutdown_timeout
@@ -234,7 +239,9 @@ class ActorSystem:
         joined = asyncio.get_running_loop().create_future()
         self._joins[token] = joined
         argv = ["--join", self.address, "--name", name, "--token", token, "--transport", self.transport_kind,
-                "--parent-timeout", str(self.heartbeat_timeout)]
+                "--parent-timeout", str(self.heartbeat_timeout), "--allow", f"{spec['mod']}:{spec['qual']}"]
+        if self.keys is not None:
+            argv += ["--keys", self.keys.path]
         try:
             child = await ChildProcess.launch(f"digenrl-{name}", argv, env=env)
         except BaseException:

@@ -25,11 +25,13 @@ import socket
 import time
 
 from digenrl.actors import _agent
+from digenrl.actors.allowlist import AllowList
 from digenrl.actors._context import current_node
 from digenrl.actors._node import Node
 from digenrl.actors.base import ActorRef
 from digenrl.errors import DigenrlError
 from digenrl.transport import make_transport
+from digenrl.transport.curve import ClusterKeys
 
 __all__ = ["run_worker"]
 
@@ -46,6 +48,8 @@ async def run_worker(
     parent_timeout: float = 30.0,
     join_timeout: float = 60.0,
     shutdown_timeout: float = 10.0,
+    allow: AllowList | None = None,
+    keys: ClusterKeys | None = None,
 ) -> str:
     """Join the system at ``join`` and host actors for it until it lets go (see the module docstring).
 
@@ -59,6 +63,10 @@ async def run_worker(
         parent_timeout: exit when the system has been silent this long.
         join_timeout: give up when the system does not answer the join in time.
         shutdown_timeout: drain deadline when exiting on a signal or on silence.
+        allow: the actor classes this worker hosts (besides those registered with
+            ``register_actor_class``); default: only the registered ones.
+        keys: the cluster's CURVE keys; required when ``listen`` is off loopback, and must match
+            the system's when it has keys.
 
     Returns:
         Why it stopped: ``"shutdown"`` (the system let go), ``"signal"`` or ``"orphaned"``
@@ -71,13 +79,14 @@ async def run_worker(
     name = name or f"worker-{socket.gethostname()}-{os.getpid()}"
     if listen is None and join.startswith("tcp://"):
         listen = "tcp://127.0.0.1:0"
-    node = Node(make_transport(transport, listen), name=name)
+    options = {"curve": keys} if keys is not None else {}
+    node = Node(make_transport(transport, listen, **options), name=name)
     node.start()
     node.trusted.add(join)
     current_node.set(node)
     stop = asyncio.Event()
     try:
-        agent = _agent.NodeAgent(node, stop)
+        agent = _agent.NodeAgent(node, stop, allow or AllowList())
         await node.host(agent, _agent.AGENT, trusted_only=True)
         registry: ActorRef[_agent.Registry] = ActorRef(_agent.REGISTRY, join, node=node)
         async with asyncio.timeout(join_timeout):

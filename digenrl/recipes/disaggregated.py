@@ -48,6 +48,7 @@ from digenrl.telemetry.metrics import MetricsLog
 from digenrl.telemetry.spans import Timeline
 from digenrl.telemetry.stats import run_stats
 from digenrl.telemetry.trace import write_artifacts
+from digenrl.transport.curve import ClusterKeys, load_keys
 
 __all__ = ["run_disaggregated", "arun_disaggregated", "tiny_cpu_cost", "Cluster", "start_cluster"]
 
@@ -92,6 +93,15 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def cluster_keys(cfg: Config) -> ClusterKeys | None:
+    """The run's CURVE keys (``transport.keys``), or None; without them no endpoint may bind off loopback.
+
+    Raises:
+        ConfigError: the keys cannot be read (the message says how to create them).
+    """
+    return load_keys(Path(cfg.transport.keys).expanduser()) if cfg.transport.keys else None
 
 
 def _staleness(cfg: Config) -> int:
@@ -211,7 +221,8 @@ async def arun_disaggregated(cfg: Config, out_dir: str | Path | None = None, res
 
     # cuda_ipc: the actors' messages (weights and latents alike) carry CUDA IPC handles instead of host copies.
     kind = "cuda_ipc" if transport.weights == "cuda_ipc" else transport.actors
-    async with ActorSystem(transport=kind, address=transport.address or None, name="coordinator") as system:
+    async with ActorSystem(transport=kind, address=transport.address or None, name="coordinator",
+                           keys=cluster_keys(cfg)) as system:
         cluster = await start_cluster(system, cfg, base)
         trainers = cluster.names(Role.TRAINER)
         if ckpt is not None:

@@ -12,3 +12,13 @@
 Role actors hold no schedule logic: they run the tokens they are handed and report measured spans.
 Nothing is imported here, so a process that hosts one role imports only that role's modules.
 """
+
+__all__ = ["ROLE_CLASSES"]
+
+# What `digenrl worker` agrees to host by default (digenrl.actors.allowlist): paths, not classes,
+# so that this import stays free.
+ROLE_CLASSES = (
+    "digenrl.roles.trainer:TrainerActor",
+    "digenrl.roles.rollout:RolloutActor",
+    "digenrl.roles.reward:RewardActor",
+)

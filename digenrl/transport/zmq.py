@@ -27,6 +27,11 @@ State machine and races (the contract of :class:`~digenrl.transport.base.Transpo
   * Same host: tensors of at least ``shm_min_bytes`` bound for ``ipc://`` or loopback
     destinations go through reused shared-memory segments (:mod:`digenrl.transport._shm`); only a
     small handle crosses the socket. ``shm=False`` turns that lane off, ``shm=True`` forces it on.
+  * Authentication (:mod:`digenrl.transport.curve`): with ``curve`` keys every socket speaks CURVE
+    (the ROUTER serves, the DEALERs connect with the cluster's client key, a ZAP handler admits only
+    the cluster's client keys). A peer that fails the handshake is dropped by ZeroMQ and counted in
+    ``stats["auth_failed"]``; on the sending side a failed handshake breaks the peer with an error
+    naming the keys. Without keys, binding ``tcp://`` off loopback is refused.
 """
 
 from __future__ import annotations
@@ -51,6 +56,7 @@ from zmq.utils.monitor import parse_monitor_message
 from digenrl.errors import ProtocolError, TransportBroken, TransportClosed
 from digenrl.transport import _shm, codec
 from digenrl.transport._stale import sweep_stale_once
+from digenrl.transport.curve import ClusterKeys, require_keys, start_authenticator
 from digenrl.transport.base import Message, Transport
 
 __all__ = ["ZmqTransport"]
@@ -59,7 +65,10 @@ log = logging.getLogger(__name__)
 
 _COUNTER = itertools.count()
 _LOOPBACK = ("127.", "localhost", "[::1]", "::1")
-_MONITOR_EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | zmq.EVENT_MONITOR_STOPPED
+_HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                     | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+_MONITOR_EVENTS = (zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | zmq.EVENT_MONITOR_STOPPED
+                   | _HANDSHAKE_FAILED)
 _TRACK_MIN = 64 << 10  # below this pyzmq copies anyway, so there is nothing to track
 
 
@@ -90,6 +99,7 @@ class _Resources:
     readers: list[tuple[asyncio.AbstractEventLoop, int]] = field(default_factory=list)
     pools: list[_shm.ShmPool] = field(default_factory=list)
     ipc_path: str | None = None
+    auth: Any = None  # the ZAP handler (a thread with its own sockets) when CURVE is on
 
     def close(self) -> None:
         for task in self.tasks:
@@ -103,6 +113,8 @@ class _Resources:
         for sock in self.sockets:
             if not sock.closed:
                 sock.close(linger=_CLOSE_LINGER_MS)
+        if self.auth is not None:
+            self.auth.stop()
         self.ctx.term()
         for pool in self.pools:
             pool.close(unlink=False)
@@ -146,9 +158,12 @@ class ZmqTransport(Transport):
         options: codec limits.
         advertise: the address peers should dial and see as ``Message.src`` when it differs from
             the bound one (a wildcard or NAT bind); ``host`` alone keeps the bound port.
+        curve: the cluster's CURVE keys (:func:`digenrl.transport.curve.load_keys`): every socket
+            authenticates and encrypts. Required for ``tcp://`` off loopback.
 
     Raises:
         ValueError: the address is not ``ipc://`` or ``tcp://``.
+        ConfigError: a ``tcp://`` address off loopback without ``curve`` keys.
         zmq.ZMQError: the address cannot be bound (e.g. in use).
     """
 
@@ -171,6 +186,7 @@ class ZmqTransport(Transport):
         connect_timeout_s: float = 10.0,
         options: codec.CodecOptions | None = None,
         advertise: str | None = None,
+        curve: ClusterKeys | None = None,
     ) -> None:
         sweep_stale_once()
         if address is None:
@@ -179,6 +195,7 @@ class ZmqTransport(Transport):
             raise ValueError(f"zmq address must start with ipc:// or tcp://, got {address!r}")
         if shm not in (True, False, "auto"):
             raise ValueError(f"shm must be True, False or 'auto', got {shm!r}")
+        require_keys(address, curve)
         base = options or codec.DEFAULT_OPTIONS
         self._options = codec.CodecOptions(
             inline_max_bytes=base.inline_max_bytes, chunk_bytes=chunk_bytes, max_frames=base.max_frames,
@@ -196,11 +213,19 @@ class ZmqTransport(Transport):
         self._closed = False
         self._reader = _shm.ShmReader()
         self.stats["shm_fallback"] = 0
+        self.stats["auth_failed"] = 0
+        self._curve = curve
         self._res = _Resources(zmq.asyncio.Context())
         self._finalizer = weakref.finalize(self, self._res.close)
+        self._auth_monitor: zmq.asyncio.Socket | None = None
         try:
             self._router = self._socket(zmq.ROUTER)
             self._router.setsockopt(zmq.ROUTER_HANDOVER, 1)
+            if curve is not None:
+                self._res.auth = start_authenticator(self._res.ctx, curve)  # before the bind, or all get in
+                curve.serve(self._router)
+                self._auth_monitor = self._router.get_monitor_socket(_HANDSHAKE_FAILED | zmq.EVENT_MONITOR_STOPPED)
+                self._res.sockets.append(self._auth_monitor)
             self._router.bind(address)
             bound = self._router.getsockopt_string(zmq.LAST_ENDPOINT)
             # A wildcard bind (tcp://0.0.0.0:0) is not an address peers can dial: advertise one.
@@ -237,6 +262,19 @@ class ZmqTransport(Transport):
             loop.add_reader(fd, self._on_readable)
             self._res.readers.append((loop, fd))
             loop.call_soon(self._on_readable)  # ZMQ_FD is edge-triggered: drain what is already there
+            if self._auth_monitor is not None:
+                self._res.tasks.append(loop.create_task(self._count_auth_failures(self._auth_monitor),
+                                                        name=f"zmq-auth {self._address}"))
+
+    async def _count_auth_failures(self, monitor: zmq.asyncio.Socket) -> None:
+        """Count the peers whose CURVE handshake failed (ZeroMQ already dropped them)."""
+        while True:
+            evt = parse_monitor_message(await monitor.recv_multipart())
+            if evt["event"] == zmq.EVENT_MONITOR_STOPPED:
+                return
+            self.stats["auth_failed"] += 1
+            log.warning("zmq endpoint %s refused a peer at %s: CURVE handshake failed (no or wrong keys)",
+                        self._address, evt["endpoint"].decode(errors="replace"))
 
     @property
     def address(self) -> str:
@@ -324,6 +362,8 @@ class ZmqTransport(Transport):
             raise TransportBroken(f"cannot reach {dst!r}: zmq destinations are ipc:// or tcp:// addresses")
         sock = self._socket(zmq.DEALER)
         sock.setsockopt(zmq.IDENTITY, self._ident)
+        if self._curve is not None:
+            self._curve.connect(sock)
         monitor = sock.get_monitor_socket(_MONITOR_EVENTS)
         self._res.sockets.append(monitor)
         sock.connect(dst)
@@ -357,6 +397,12 @@ class ZmqTransport(Transport):
                 elif kind == zmq.EVENT_DISCONNECTED and peer.connected.is_set():
                     self._mark_broken(peer, TransportBroken(f"peer {peer.dst} disconnected (exited, killed or "
                                                             "missed heartbeats)"))
+                    return
+                elif kind & _HANDSHAKE_FAILED:
+                    keys = f"the keys in {self._curve.path}" if self._curve is not None else "no keys"
+                    self._mark_broken(peer, TransportBroken(
+                        f"{peer.dst} refused the connection: CURVE handshake failed with {keys} (both sides need "
+                        "the same `transport.keys`; create them with `digenrl keys create PATH`)"))
                     return
                 elif kind == zmq.EVENT_MONITOR_STOPPED:
                     return

@@ -41,7 +41,7 @@ def test_resume_with_the_colocated_loop_is_refused() -> None:
     assert "--resume needs an actor schedule" in result.output
 
 
-@pytest.mark.parametrize("command", [[], ["run"], ["validate"], ["worker"], ["bench"], ["bench", "bubbles"]])
+@pytest.mark.parametrize("command", [[], ["run"], ["validate"], ["worker"], ["keys"], ["keys", "create"], ["bench"], ["bench", "bubbles"]])
 def test_help_prints_config_tables_literally(command: list[str]) -> None:
     """Help texts name config tables such as [schedule]; no markup may eat them."""
     result = CliRunner().invoke(app, [*command, "--help"])
@@ -49,3 +49,20 @@ def test_help_prints_config_tables_literally(command: list[str]) -> None:
     if command == ["run"]:
         assert "[schedule] name picks the single-process colocated loop" in " ".join(result.output.split())
     assert "[/" not in result.output  # no stray rich markup
+
+
+def test_a_run_reachable_from_other_hosts_without_keys_refuses_to_start(tmp_path) -> None:
+    # Refused before anything binds or spawns (no address outside loopback is contacted).
+    result = CliRunner().invoke(app, ["run", "configs/tiny-qwenimage.toml", "--out", str(tmp_path),
+                                      "--set", "transport.address='tcp://10.0.0.1:0'"])
+    assert result.exit_code == 1
+    text = " ".join(result.output.split())
+    assert "digenrl keys create PATH" in text and "transport.keys" in text
+
+
+def test_keys_create_writes_private_keys_and_never_overwrites(tmp_path) -> None:
+    result = CliRunner().invoke(app, ["keys", "create", str(tmp_path / "k")])
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "k" / "server.key_secret").stat().st_mode & 0o077 == 0
+    again = CliRunner().invoke(app, ["keys", "create", str(tmp_path / "k")])
+    assert again.exit_code == 2 and "already holds keys" in again.output

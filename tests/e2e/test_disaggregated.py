@@ -157,22 +157,27 @@ async def test_weights_over_torch_distributed_gloo(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 async def test_actors_placed_on_joined_workers(tmp_path: Path) -> None:
-    """`digenrl worker --join` processes (one per GPU on a cluster) host the actors, one each."""
+    """`digenrl worker --join` processes (one per GPU on a cluster) host the actors, one each, authenticated
+    with the run's CURVE keys as across hosts."""
     import socket
     import subprocess
     import sys
 
+    from digenrl.transport.curve import create_keys
+
+    keys = create_keys(tmp_path / "keys")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     address = f"tcp://127.0.0.1:{port}"
     cfg = _load("train.iterations=2", "log.image_every=0", "placement.workers=2",
-                          f"transport.address={address}")
+                          f"transport.address={address}", f"transport.keys='{keys}'")
     exe = Path(sys.executable).with_name("digenrl")
-    procs = [subprocess.Popen([str(exe), "worker", "--join", address, "--name", f"gpu{i}", "--log-level", "WARNING"])
+    procs = [subprocess.Popen([str(exe), "worker", "--join", address, "--name", f"gpu{i}", "--log-level", "WARNING",
+                               "--keys", str(keys)])
              for i in range(2)]
     try:
-        history = await arun_disaggregated(cfg, tmp_path)
+        history = await arun_disaggregated(cfg, tmp_path / "run")
         assert [m["rows_trained"] for m in history] == [ROWS, ROWS]
         assert [p.wait(timeout=30) for p in procs] == [0, 0]  # the workers leave when the system shuts down
     finally:

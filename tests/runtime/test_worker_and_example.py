@@ -30,7 +30,8 @@ async def test_worker_joins_over_tcp_and_hosts_actors() -> None:
     async with ActorSystem(address="tcp://127.0.0.1:0", heartbeat_interval=0.2, heartbeat_timeout=10.0) as system:
         assert re.fullmatch(r"tcp://127\.0\.0\.1:\d+", system.address)
         proc = await asyncio.create_subprocess_exec(
-            str(DIGENRL), "worker", "--join", system.address, "--name", "w1", env=_env(),
+            str(DIGENRL), "worker", "--join", system.address, "--name", "w1", "--allow", "_actors:Counter",
+            "--allow", "_actors:BadSetup", env=_env(),
             stdin=subprocess.DEVNULL)
         try:
             [worker] = await system.wait_for_workers(1, timeout=90)
@@ -78,7 +79,7 @@ async def test_worker_exits_when_the_system_dies() -> None:
     async with ActorSystem(address="tcp://127.0.0.1:0", heartbeat_interval=0.2, heartbeat_timeout=3.0,
                            shutdown_timeout=2.0) as system:
         proc = await asyncio.create_subprocess_exec(
-            str(DIGENRL), "worker", "--join", system.address, "--name", "orphan", env=_env(),
+            str(DIGENRL), "worker", "--join", system.address, "--name", "orphan", "--allow", "_actors:Counter", env=_env(),
             stdin=subprocess.DEVNULL, stderr=subprocess.PIPE)
         try:
             [worker] = await system.wait_for_workers(1, timeout=90)
