@@ -33,6 +33,8 @@ from typing import Any
 
 import torch
 
+from digenrl.actors.loop import run as run_loop
+
 LATENT = (4, 16, 8, 8)
 
 
@@ -95,55 +97,104 @@ def gloo_child(port: str) -> None:
 # ------------------------------------------------------------------------------------------ parent
 
 
-def memcpy_gbps(nbytes: int, iters: int) -> float:
-    src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8)
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    times = []
-    for _ in range(iters):
+class Memcpy:
+    """The reference copy: ``dst.copy_(src)`` into a warm buffer of the same size, 1 torch thread."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8)
+        self.dst = torch.empty_like(self.src)
+        self.dst.copy_(self.src)
+
+    def __call__(self) -> float:
         t0 = time.perf_counter()
-        dst.copy_(src)
-        times.append(time.perf_counter() - t0)
-    return nbytes / statistics.median(times) / 1e9
+        self.dst.copy_(self.src)
+        return time.perf_counter() - t0
 
 
-def row(name: str, kind: str, nbytes: int, seconds: float, memcpy: float | None) -> dict[str, Any]:
+def memcpy_gbps(nbytes: int, iters: int) -> float:
+    copy = Memcpy(nbytes)
+    return nbytes / statistics.median(copy() for _ in range(iters)) / 1e9
+
+
+def row(name: str, kind: str, nbytes: int, seconds: float, memcpy: float | None,
+        raw_seconds: float | None = None) -> dict[str, Any]:
     gbps = nbytes / seconds / 1e9 if nbytes else 0.0
     return {"transport": name, "kind": kind, "size_bytes": nbytes, "seconds": seconds, "gbps": gbps,
-            "memcpy_gbps": memcpy, "ratio": gbps / memcpy if memcpy else None}
+            "memcpy_gbps": memcpy, "ratio": gbps / memcpy if memcpy else None,
+            "raw_seconds": raw_seconds, "vs_raw": seconds / raw_seconds if raw_seconds else None}
 
 
-async def measure_pair(name: str, send: Any, sizes: list[int], iters: int) -> list[dict[str, Any]]:
-    """``send(op, payload)`` performs one round: a message and its echo or ack."""
+async def measure_pair(name: str, send: Any, sizes: list[int], iters: int,
+                       raw: Any = None) -> list[dict[str, Any]]:
+    """``send(op, payload)`` performs one round: a message and its echo or ack.
+
+    Under contention (a shared 2-core VM) conditions drift within seconds, so every reference is
+    measured *interleaved* with the rounds it is compared to: bandwidth rounds alternate with a
+    memcpy of the same bytes, and header round trips with ``raw(frames)``, a bare synchronous
+    pyzmq round trip (when given). Ratios therefore compare like with like.
+    """
     rows = []
     latent = torch.randn(LATENT)
     for label, payload in (("rtt-header", None), ("rtt-latent", {"x": latent})):
+        raw_frames = [b"h" * 16] if payload is None else [b"h" * 16, memoryview(latent.numpy())]
         for _ in range(20):
             await send("echo", payload)
-        times = []
+        times, raw_times = [], []
         for _ in range(iters):
             t0 = time.perf_counter()
             await send("echo", payload)
             times.append(time.perf_counter() - t0)
+            if raw is not None:
+                raw_times.append(raw(raw_frames))
         nbytes = 0 if payload is None else latent.numel() * 4
-        rows.append(row(name, label, nbytes, statistics.median(times), memcpy_gbps(nbytes, 50) if nbytes else None))
+        rows.append(row(name, label, nbytes, statistics.median(times), memcpy_gbps(nbytes, 50) if nbytes else None,
+                        statistics.median(raw_times) if raw_times else None))
     for size in sizes:
         blob = torch.randint(0, 255, (size,), dtype=torch.uint8)
-        n = max(4, min(30, (256 << 20) // size))
+        copy = Memcpy(size)
+        n = max(8, min(40, (512 << 20) // size))
         await send("sink", {"x": blob})
-        times = []
+        times, copies = [], []
         for _ in range(n):
+            copies.append(copy())
             t0 = time.perf_counter()
             await send("sink", {"x": blob})
             times.append(time.perf_counter() - t0)
-        rows.append(row(name, "bandwidth", size, statistics.median(times), memcpy_gbps(size, n)))
+        rows.append(row(name, "bandwidth", size, statistics.median(times), size / statistics.median(copies) / 1e9))
     return rows
 
 
-async def bench_inproc(sizes: list[int], iters: int) -> list[dict[str, Any]]:
+class RawEcho:
+    """A bare synchronous pyzmq PAIR echo in a child (no digenrl, no torch): the machine's floor."""
+
+    def __init__(self, address: str) -> None:
+        import zmq
+
+        self.child = subprocess.Popen([sys.executable, "-c", _RAW_ECHO, address], stdout=subprocess.PIPE, text=True)
+        assert self.child.stdout is not None and self.child.stdout.readline().startswith("READY")
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.PAIR)
+        self.sock.connect(address)
+        for _ in range(20):
+            self([b"warm"])
+
+    def __call__(self, frames: list[Any]) -> float:
+        t0 = time.perf_counter()
+        self.sock.send_multipart(frames)
+        self.sock.recv_multipart()
+        return time.perf_counter() - t0
+
+    def close(self) -> None:
+        self.sock.send(b"stop")
+        self.child.wait(30)
+        self.sock.close(linger=0)
+        self.ctx.term()
+
+
+async def bench_inproc(name: str, sizes: list[int], iters: int, copy: bool) -> list[dict[str, Any]]:
     from digenrl.transport.inproc import InprocTransport
 
-    a, b = InprocTransport(), InprocTransport()
+    a, b = InprocTransport(copy=copy), InprocTransport(copy=copy)
 
     async def send(op: str, payload: Any) -> None:
         await a.send(b.address, {"op": op}, payload)
@@ -156,28 +207,31 @@ async def bench_inproc(sizes: list[int], iters: int) -> list[dict[str, Any]]:
         await a.recv()
 
     try:
-        return await measure_pair("inproc", send, sizes, iters)
+        return await measure_pair(name, send, sizes, iters)
     finally:
         await a.aclose()
         await b.aclose()
 
 
-async def bench_zmq(name: str, address: str, sizes: list[int], iters: int, shm: bool) -> list[dict[str, Any]]:
+async def bench_zmq(name: str, address: str, sizes: list[int], iters: int, shm: bool,
+                    loop: str) -> list[dict[str, Any]]:
     from digenrl.transport.zmq import ZmqTransport
 
-    child = subprocess.Popen([sys.executable, __file__, "--child", "zmq", address, str(int(shm))],
+    child = subprocess.Popen([sys.executable, __file__, "--child", "zmq", address, str(int(shm)), loop],
                              stdout=subprocess.PIPE, text=True)
     assert child.stdout is not None and child.stdout.readline().startswith("READY")
     local = "tcp://127.0.0.1:0" if address.startswith("tcp") else address.replace(".sock", "-p.sock")
     a = ZmqTransport(local, shm="auto" if shm else False)
+    raw = RawEcho(f"ipc://{tempfile.gettempdir()}/digenrl-bench-raw-{uuid.uuid4().hex[:8]}.sock")
 
     async def send(op: str, payload: Any) -> None:
         await a.send(address, {"op": op}, payload)
         await a.recv()
 
     try:
-        return await measure_pair(name, send, sizes, iters)
+        return await measure_pair(name, send, sizes, iters, raw)
     finally:
+        raw.close()
         await a.send(address, {"op": "stop"})
         await a.aclose()
         child.wait(30)
@@ -223,31 +277,16 @@ def bench_gloo(sizes: list[int], iters: int) -> list[dict[str, Any]]:
 
 
 def bench_raw(address: str, iters: int) -> list[dict[str, Any]]:
-    import zmq
-
-    child = subprocess.Popen([sys.executable, "-c", _RAW_ECHO, address], stdout=subprocess.PIPE, text=True)
-    assert child.stdout is not None and child.stdout.readline().startswith("READY")
-    ctx = zmq.Context()
-    s = ctx.socket(zmq.PAIR)
-    s.connect(address)
+    raw = RawEcho(address)
     rows = []
     try:
         latent = torch.randn(LATENT)
         for label, frames in (("rtt-header", [b"h" * 16]), ("rtt-latent", [b"h" * 16, memoryview(latent.numpy())])):
-            times = []
-            for i in range(iters + 20):
-                t0 = time.perf_counter()
-                s.send_multipart(frames)
-                s.recv_multipart()
-                times.append(time.perf_counter() - t0)
+            sec = statistics.median(raw(frames) for _ in range(iters))
             nbytes = 0 if len(frames) == 1 else latent.numel() * 4
-            rows.append(row("raw-pyzmq-sync-ipc", label, nbytes, statistics.median(times[20:]),
-                            memcpy_gbps(nbytes, 50) if nbytes else None))
-        s.send(b"stop")
+            rows.append(row("raw-pyzmq-sync-ipc", label, nbytes, sec, memcpy_gbps(nbytes, 50) if nbytes else None))
     finally:
-        child.wait(30)
-        s.close(linger=0)
-        ctx.term()
+        raw.close()
     return rows
 
 
@@ -255,23 +294,27 @@ def print_table(rows: list[dict[str, Any]]) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"transport benchmark ({os.cpu_count()} cores, medians)")
-    for col in ("transport", "what", "size", "time", "GB/s", "memcpy GB/s", "ratio"):
-        table.add_column(col, justify="left" if col in ("transport", "what") else "right")
+    table = Table(title=f"transport benchmark ({os.cpu_count()} cores, medians; ratio: GB/s over an interleaved "
+                        "memcpy; vs raw: time over an interleaved raw sync pyzmq round trip)")
+    for col in ("transport", "what", "size", "time", "GB/s", "memcpy GB/s", "ratio", "vs raw"):
+        table.add_column(col, justify="left" if col in ("transport", "what") else "right", no_wrap=True)
     for r in rows:
         size = r["size_bytes"]
         human = "0" if not size else (f"{size >> 20} MiB" if size >= 1 << 20 else f"{size >> 10} KiB")
         t = r["seconds"]
         table.add_row(r["transport"], r["kind"], human, f"{t * 1e6:.0f} µs" if t < 1e-3 else f"{t * 1e3:.2f} ms",
                       f"{r['gbps']:.2f}" if size else "-", f"{r['memcpy_gbps']:.2f}" if r["memcpy_gbps"] else "-",
-                      f"{r['ratio']:.2f}" if r["ratio"] is not None else "-")
-    Console().print(table)
+                      f"{r['ratio']:.2f}" if r["ratio"] is not None else "-",
+                      f"{r['vs_raw']:.2f}x" if r.get("vs_raw") is not None else "-")
+    Console(width=160).print(table)
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--transports", default="raw-zmq,inproc,zmq-ipc,zmq-tcp,torchdist-gloo",
+    p.add_argument("--transports", default="raw-zmq,inproc,inproc-handoff,zmq-ipc,zmq-tcp,torchdist-gloo",
                    help="raw-zmq is a bare-pyzmq RTT reference for the machine's current state")
+    p.add_argument("--loops", default="uvloop,asyncio",
+                   help="event loops for the zmq rows (each side of the pair runs the same kind)")
     p.add_argument("--sizes-mib", default="1,16,64")
     p.add_argument("--iters", type=int, default=200, help="round trips per latency row")
     p.add_argument("--no-shm", action="store_true", help="zmq: chunked frames instead of shared memory")
@@ -281,7 +324,7 @@ def main() -> None:
     torch.set_num_threads(1)
     if args.child:
         if args.child[0] == "zmq":
-            asyncio.run(zmq_child(args.child[1], args.child[2] == "1"))
+            run_loop(zmq_child(args.child[1], args.child[2] == "1"), args.child[3])
         else:
             gloo_child(args.child[1])
         return
@@ -291,16 +334,19 @@ def main() -> None:
     for name in args.transports.split(","):
         if name == "raw-zmq":
             rows += bench_raw(f"ipc://{tmp}/digenrl-bench-raw-{uuid.uuid4().hex[:8]}.sock", args.iters)
-        elif name == "inproc":
-            rows += asyncio.run(bench_inproc(sizes, args.iters))
-        elif name == "zmq-ipc":
-            address = f"ipc://{tmp}/digenrl-bench-{uuid.uuid4().hex[:8]}.sock"
-            rows += asyncio.run(bench_zmq(name, address, sizes, args.iters, not args.no_shm))
-        elif name == "zmq-tcp":
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                address = f"tcp://127.0.0.1:{s.getsockname()[1]}"
-            rows += asyncio.run(bench_zmq(name, address, sizes, args.iters, not args.no_shm))
+        elif name in ("inproc", "inproc-handoff"):
+            rows += run_loop(bench_inproc(name, sizes, args.iters, copy=name == "inproc"), args.loops.split(",")[0])
+        elif name in ("zmq-ipc", "zmq-tcp"):
+            for loop in args.loops.split(","):
+                if name == "zmq-ipc":
+                    address = f"ipc://{tmp}/digenrl-bench-{uuid.uuid4().hex[:8]}.sock"
+                else:
+                    with socket.socket() as s:
+                        s.bind(("127.0.0.1", 0))
+                        address = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+                # bandwidth does not depend on the loop: measure it once, on the first one
+                rows += run_loop(bench_zmq(f"{name}/{loop}", address, sizes if loop == args.loops.split(",")[0] else [],
+                                           args.iters, not args.no_shm, loop), loop)
         elif name == "torchdist-gloo":
             rows += bench_gloo(sizes, args.iters)
         else:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from digenrl_cli import bench, keys, run, worker
+from digenrl_cli import bench, doctor, keys, run, worker
 
 app = typer.Typer(
     name="digenrl",
@@ -34,6 +34,7 @@ run.register(app)
 bench.register(app)
 worker.register(app)
 keys.register(app)
+doctor.register(app)
 
 if __name__ == "__main__":
     app()

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 import socket
@@ -54,13 +53,21 @@ def worker(
                                     "required off loopback, the same as the system's transport.keys."),
     allow: list[str] | None = typer.Option(None, "--allow", help="Also host this actor class, module:Class "
                                            "(repeatable; digenrl's roles are always allowed)."),
+    event_loop: str | None = typer.Option(
+        None, "--event-loop", help="uvloop or asyncio (default: uvloop when installed, as runtime.event_loop)."
+    ),
 ) -> None:
     """Join a running digenrl system and host the actors it spawns here."""
     from digenrl.actors.allowlist import AllowList
+    from digenrl.actors.loop import EVENT_LOOPS, run
     from digenrl.actors.worker import run_worker
     from digenrl.errors import ConfigError
     from digenrl.roles import ROLE_CLASSES
     from digenrl.transport.curve import load_keys
+
+    if event_loop is not None and event_loop not in EVENT_LOOPS:
+        typer.echo(f"digenrl worker: --event-loop {event_loop!r} is not one of {', '.join(EVENT_LOOPS)}", err=True)
+        raise typer.Exit(2)
 
     name = name or f"worker-{socket.gethostname()}-{os.getpid()}"
     try:
@@ -80,8 +87,8 @@ def worker(
         typer.echo(f"digenrl worker: {exc}", err=True)
         raise typer.Exit(2) from None
     try:
-        reason = asyncio.run(run_worker(join, name=name, listen=listen, transport=transport, allow=allowed,
-                                        keys=cluster_keys))
+        reason = run(run_worker(join, name=name, listen=listen, transport=transport, allow=allowed,
+                                keys=cluster_keys), event_loop)
     except Exception as exc:  # a clear one-line reason (system unreachable, bad address), not a traceback
         typer.echo(f"digenrl worker: {type(exc).__name__}: {exc}", err=True)
         raise typer.Exit(1) from None

@@ -2,7 +2,7 @@
 
 A config file has one table per role, kept apart from placement::
 
-    [model] [rollout] [train] [reward] [data] [schedule] [placement] [transport] [log]
+    [model] [rollout] [train] [reward] [data] [schedule] [placement] [transport] [log] [runtime]
 
 :func:`load_config` reads it with ``tomllib``, applies ``--set table.key=value`` overrides, and
 builds :class:`Config`. Every problem (unknown table or key, wrong type, a value outside its allowed
@@ -39,6 +39,7 @@ __all__ = [
     "PlacementConfig",
     "TransportConfig",
     "LogConfig",
+    "RuntimeConfig",
     "Config",
     "ACTOR_SCHEDULES",
     "SCHEDULE_NAMES",
@@ -325,6 +326,20 @@ class LogConfig:
 
 
 @dataclass(frozen=True)
+class RuntimeConfig:
+    """``[runtime]``: how the processes of a run execute.
+
+    ``event_loop``: ``uvloop`` (default; asyncio's loop with an info line where uvloop is not
+    installed) or ``asyncio``, for the driver and every actor process.
+    """
+
+    event_loop: str = "uvloop"
+
+    def __post_init__(self) -> None:
+        _choice("runtime.event_loop", self.event_loop, ("uvloop", "asyncio"))
+
+
+@dataclass(frozen=True)
 class Config:
     """The whole run configuration."""
 
@@ -337,6 +352,7 @@ class Config:
     placement: PlacementConfig = field(default_factory=PlacementConfig)
     transport: TransportConfig = field(default_factory=TransportConfig)
     log: LogConfig = field(default_factory=LogConfig)
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
 
     def __post_init__(self) -> None:
         # Checks across tables (each table checks its own keys first).

@@ -29,6 +29,7 @@ ALLOWED: dict[str, set[str]] = {
     "policy": {"config", "models"},
     "roles": _CORE | {"config", "policy", "data", "models", "rewards", "rl", "schedule"},
     "recipes": _CORE | {"config", "policy", "roles", "data", "models", "rewards", "rl", "schedule", "sim"},
+    "doctor": _CORE | {"config", "recipes"},
 }
 
 
@@ -71,7 +72,7 @@ def test_the_runtime_holds_only_runtime_files() -> None:
     """digenrl/actors is what a user embeds: no RL role lives there."""
     files = {p.stem for p in (PACKAGE / "actors").glob("*.py")}
     assert files == {"__init__", "base", "_context", "_mailbox", "_node", "_wire", "_agent", "_child", "process",
-                     "system", "worker", "allowlist"}
+                     "system", "worker", "allowlist", "loop"}
 
 
 def test_every_package_ships_in_the_wheel() -> None:

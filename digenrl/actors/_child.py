@@ -9,7 +9,6 @@ own; an actor module that needs torch imports it.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import ctypes
 import ctypes.util
 import logging
@@ -46,6 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--log-level", default="INFO")
     p.add_argument("--allow", default=None, help="module:Class, the one actor class this process hosts")
     p.add_argument("--keys", default=None, help="the cluster's CURVE keys directory")
+    p.add_argument("--event-loop", default=None, help="uvloop or asyncio (default: uvloop when installed)")
     args = p.parse_args(argv)
 
     try:
@@ -65,14 +65,15 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
     from digenrl.actors.allowlist import AllowList
+    from digenrl.actors.loop import run
     from digenrl.actors.worker import run_worker
     from digenrl.transport.curve import load_keys
 
     try:
         keys = load_keys(args.keys) if args.keys else None
-        reason = asyncio.run(run_worker(args.join, name=args.name, listen=args.listen, transport=args.transport,
-                                        token=args.token, parent_timeout=args.parent_timeout,
-                                        allow=AllowList([args.allow] if args.allow else []), keys=keys))
+        reason = run(run_worker(args.join, name=args.name, listen=args.listen, transport=args.transport,
+                                token=args.token, parent_timeout=args.parent_timeout,
+                                allow=AllowList([args.allow] if args.allow else []), keys=keys), args.event_loop)
     except Exception:
         logging.getLogger("digenrl.actors").exception("actor process %s failed", args.name)
         return 1

@@ -39,6 +39,7 @@ from digenrl.actors import _agent, _wire
 from digenrl.actors._context import current_node
 from digenrl.actors._node import Node
 from digenrl.actors.base import Actor, ActorRef
+from digenrl.actors.loop import running_loop_name
 from digenrl.actors.process import ChildProcess, describe_exit
 from digenrl.errors import ActorDied, ConfigError, DigenrlError, RemoteError
 from digenrl.transport import make_transport
@@ -238,8 +239,10 @@ class ActorSystem:
         token = secrets.token_hex(8)
         joined = asyncio.get_running_loop().create_future()
         self._joins[token] = joined
+        # A child runs on the driver's kind of loop (set by runtime.event_loop through loop.run).
         argv = ["--join", self.address, "--name", name, "--token", token, "--transport", self.transport_kind,
-                "--parent-timeout", str(self.heartbeat_timeout), "--allow", f"{spec['mod']}:{spec['qual']}"]
+                "--parent-timeout", str(self.heartbeat_timeout), "--allow", f"{spec['mod']}:{spec['qual']}",
+                "--event-loop", running_loop_name()]
         if self.keys is not None:
             argv += ["--keys", self.keys.path]
         try:

@@ -27,7 +27,6 @@ against: how far a schedule is from it is the schedule's own loss.
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import json
 import logging
@@ -38,6 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from digenrl.actors.loop import run as run_loop
 from digenrl.config import ACTOR_SCHEDULES, load_config
 from digenrl.errors import ConfigError
 from digenrl.schedule import make_schedule
@@ -277,8 +277,8 @@ def run_real_bubbles(schedules: list[str] | None = None, num_batches: int = 8, o
                 got: list[Any] = []
                 start, load = time.perf_counter(), _load()
                 where = root / (f"real-{sched}" + (f"-r{rnd}" if rnd else ""))
-                asyncio.run(arun_disaggregated(cfg, where,
-                                               on_result=lambda r, log: got.append((r, log))))
+                run_loop(arun_disaggregated(cfg, where, on_result=lambda r, log: got.append((r, log))),
+                         cfg.runtime.event_loop)
                 result, tokens = got[0]
                 runs.setdefault(sched, []).append((result, tokens, time.perf_counter() - start, list(result.devices),
                                                    load, summarize(result).steady.samples_per_s))

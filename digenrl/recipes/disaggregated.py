@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from digenrl.actors import ActorSystem
+from digenrl.actors.loop import run as run_loop
 from digenrl.config import ACTOR_SCHEDULES, Config
 from digenrl.data.prompts import load_prompts
 from digenrl.errors import ConfigError
@@ -291,5 +292,5 @@ def run_disaggregated(cfg: Config, out_dir: str | Path | None = None, resume: st
         from digenrl.recipes.colocated import train
 
         return train(cfg, out_dir=out_dir, on_iteration=on_step, write_files=write_files)  # type: ignore[arg-type]
-    return asyncio.run(arun_disaggregated(cfg, out_dir, resume, cost=cost, on_step=on_step,
-                                          write_files=write_files))
+    return run_loop(arun_disaggregated(cfg, out_dir, resume, cost=cost, on_step=on_step, write_files=write_files),
+                    cfg.runtime.event_loop)

@@ -70,6 +70,10 @@ _HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_
 _MONITOR_EVENTS = (zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | zmq.EVENT_MONITOR_STOPPED
                    | _HANDSHAKE_FAILED)
 _TRACK_MIN = 64 << 10  # below this pyzmq copies anyway, so there is nothing to track
+# Plain ints: pyzmq's flag enums cost an enum operation per use on the per-message path.
+_NOBLOCK = int(zmq.NOBLOCK)
+_EVENTS = int(zmq.EVENTS)
+_POLLIN = int(zmq.POLLIN)
 
 
 @dataclass
@@ -78,6 +82,7 @@ class _Peer:
 
     dst: str
     sock: zmq.asyncio.Socket
+    sync: zmq.Socket[Any]  # a blocking view of ``sock`` (owns nothing): the no-wait fast path
     monitor: zmq.asyncio.Socket
     connected: asyncio.Event = field(default_factory=asyncio.Event)
     broken: TransportBroken | None = None
@@ -304,10 +309,12 @@ class ZmqTransport(Transport):
         try:
             frames = codec.encode(header, payload, options=self._options, offload=offload)
             big = any(codec.frame_nbytes(f) >= _TRACK_MIN for f in frames[1:])
-            async with peer.lock:
-                if peer.broken is not None:
-                    raise peer.broken
-                tracker = await peer.sock.send_multipart(frames, copy=not big, track=big)
+            if big or peer.lock.locked() or not _send_now(peer.sync, frames):
+                # Large frames (tracked) or a full pipe: the awaitable path, one sender at a time.
+                async with peer.lock:
+                    if peer.broken is not None:
+                        raise peer.broken
+                    tracker = await peer.sock.send_multipart(frames, copy=not big, track=big)
         except BaseException as exc:
             if undo is not None and peer.broken is None:
                 undo()
@@ -371,7 +378,7 @@ class ZmqTransport(Transport):
         pool = _shm.ShmPool(self._shm_pool_bytes) if use_shm else None
         if pool is not None:
             self._res.pools.append(pool)
-        peer = _Peer(dst, sock, monitor, pool=pool)
+        peer = _Peer(dst, sock, zmq.Socket.shadow(sock.underlying), monitor, pool=pool)
         peer.task = asyncio.get_running_loop().create_task(self._watch(peer), name=f"zmq-monitor {dst}")
         self._res.tasks.append(peer.task)
         self._peers[dst] = peer
@@ -483,10 +490,11 @@ class ZmqTransport(Transport):
                 if len(self._queue) >= self._hwm:
                     self._paused = True  # recv() re-arms us once there is room again
                     return
-                try:
-                    frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
-                except zmq.Again:
+                # Asking ZMQ_EVENTS first also re-arms the edge-triggered ZMQ_FD, and is cheaper
+                # than the zmq.Again exception a non-blocking recv on an empty socket raises.
+                if not sock.getsockopt(_EVENTS) & _POLLIN:
                     return
+                frames = sock.recv_multipart(_NOBLOCK, copy=False)
                 # No locals may outlive the call: a held message would pin its shm segment.
                 self._enqueue(self._decode(frames))
                 del frames
@@ -540,6 +548,18 @@ class ZmqTransport(Transport):
 
     def __repr__(self) -> str:
         return f"ZmqTransport({self._address!r}{', closed' if self._closed else ''})"
+
+
+def _send_now(sock: zmq.Socket[Any], frames: list[Any]) -> bool:
+    """Send small frames without waiting if ZeroMQ takes them at once (no future, no await).
+
+    ZeroMQ accepts a multipart message whole or not at all, so False means nothing was sent.
+    """
+    try:
+        sock.send_multipart(frames, _NOBLOCK)
+    except zmq.Again:
+        return False
+    return True
 
 
 def _tensors(obj: Any) -> list[torch.Tensor]:

@@ -56,6 +56,12 @@ class Counter(Actor):
         return value
 
     @endpoint
+    async def loop_kind(self) -> str:
+        from digenrl.actors.loop import running_loop_name
+
+        return running_loop_name()
+
+    @endpoint
     async def call_peer(self, peer: ActorRef[Counter], k: int) -> int:
         """Call another actor through a ref that arrived inside this message."""
         return await peer.add.call(k)

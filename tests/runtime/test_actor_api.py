@@ -31,7 +31,7 @@ async def test_endpoint_types_flow_to_the_caller(system: ActorSystem) -> None:
     assert_type(c.ref, ActorRef[Counter])
     # At run time the handle is a ref, and the endpoint table matches the decorated methods.
     assert isinstance(c, ActorRef)
-    assert set(Counter.endpoints) == {"add", "history", "pid", "getenv", "fail", "sleep", "echo", "call_peer", "me"}
+    assert set(Counter.endpoints) == {"add", "history", "pid", "getenv", "fail", "sleep", "echo", "loop_kind", "call_peer", "me"}
     assert Cruncher.endpoints["crunch"].compute and Cruncher.endpoints["poke"].control
 
 

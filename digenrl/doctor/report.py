@@ -1,0 +1,81 @@
+"""``digenrl doctor``'s report as readable tables (rich when the terminal has it, plain text otherwise)."""
+
+from __future__ import annotations
+
+import io
+from typing import Any
+
+__all__ = ["render"]
+
+GiB = 1 << 30
+
+
+def _gib(n: int | None) -> str:
+    return "?" if n is None else f"{n / GiB:.1f} GiB"
+
+
+def _sections(report: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]]]]:
+    host, gpu = report["host"], report["gpu"]
+    m = host["machine"]
+    out = [
+        ("stack", ["package", "version"], [[k, v or "not installed"] for k, v in host["versions"].items()]),
+        ("machine", ["what", "value"], [
+            ["cores (usable / all)", f"{m['cores_usable']} / {m['cpu_count']}"],
+            ["RAM (available / total)", f"{_gib(m['ram_available_bytes'])} / {_gib(m['ram_bytes'])}"],
+            ["/dev/shm (free / size)", f"{_gib(m['shm_free_bytes'])} / {_gib(m['shm_bytes'])}"],
+            ["load (1 min)", f"{m['load_avg_1m']:.1f}" if m["load_avg_1m"] is not None else "?"],
+        ]),
+        ("host lanes (ratio = lane GB/s over an interleaved memcpy)", ["lane", "size", "GB/s", "memcpy GB/s", "ratio"],
+         [[lane, f"{r['size_bytes'] >> 20} MiB", f"{r['gbps']:.2f}", f"{r['memcpy_gbps']:.2f}", f"{r['ratio']:.2f}"]
+          for lane, rows in host["lanes"].items() for r in rows]),
+        ("event loops (header round trip to another process)", ["loop", "digenrl zmq", "raw sync pyzmq", "ratio"],
+         [[r["loop"], f"{r['rtt_us']:.0f} µs", f"{r['raw_pyzmq_rtt_us']:.0f} µs", f"{r['vs_raw']:.2f}x"]
+          for r in host["event_loops"]]),
+    ]
+    if not gpu.get("available"):
+        why = gpu.get("reason", "not requested")
+        out.append(("gpu: skipped", ["check", "why skipped"], [[name, why] for name in gpu.get("skipped", [])]))
+        return out
+    rows = []
+    for name, value in gpu.items():
+        if name in ("available", "count"):
+            continue
+        rows.append([name, str(value.get("error")) if isinstance(value, dict) and "error" in value else _short(value)])
+    out.append((f"gpu ({gpu['count']} devices)", ["check", "result"], rows))
+    return out
+
+
+def _short(value: Any, limit: int = 300) -> str:
+    text = str(value)
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def render(report: dict[str, Any]) -> str:
+    """The whole report as text: one table per section, then the verdict."""
+    verdict = ("ready: nothing stops digenrl here" if not report["problems"]
+               else "problems:\n" + "\n".join(f"  - {p}" for p in report["problems"]))
+    try:
+        from rich.console import Console
+        from rich.markup import escape
+        from rich.table import Table
+    except ImportError:
+        return _plain(report) + "\n" + verdict
+    console = Console(file=io.StringIO(), record=True, width=110, force_terminal=False)
+    for title, columns, rows in _sections(report):
+        table = Table(title=escape(title), title_justify="left")
+        for col in columns:
+            table.add_column(escape(col))
+        for r in rows:
+            table.add_row(*(escape(c) for c in r))
+        console.print(table)
+    console.print(escape(verdict))
+    return console.export_text()
+
+
+def _plain(report: dict[str, Any]) -> str:
+    lines = []
+    for title, columns, rows in _sections(report):
+        widths = [max(len(c), *(len(r[i]) for r in rows)) if rows else len(c) for i, c in enumerate(columns)]
+        lines += ["", title, "  ".join(c.ljust(w) for c, w in zip(columns, widths, strict=True))]
+        lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
+    return "\n".join(lines)
