@@ -160,6 +160,10 @@ class TrainConfig:
     adv_clip: float = 5.0
     rows_per_pass: int = 0  # 0 = all trained transitions of the batch in one TSP pass
     control: str = "none"  # "shuffled": advantages permuted across samples (negative control)
+    # Rollout/trainer parity (metrics parity_*): warn when max |ratio - 1| or max |dlog-prob| exceeds it.
+    parity_tolerance: float = 1e-3
+    # Also measure parity of stale rows (async1): recompute a sample under the weights that sampled them.
+    check_parity: bool = False
 
     def __post_init__(self) -> None:
         _check("train.iterations", self.iterations >= 1, ">= 1", self.iterations)
@@ -174,6 +178,7 @@ class TrainConfig:
         _check("train.adv_clip", self.adv_clip > 0, "> 0", self.adv_clip)
         _check("train.rows_per_pass", self.rows_per_pass >= 0, ">= 0", self.rows_per_pass)
         _choice("train.control", self.control, ("none", "shuffled", "negated"))
+        _check("train.parity_tolerance", self.parity_tolerance > 0, "> 0", self.parity_tolerance)
 
 
 @dataclass(frozen=True)

@@ -38,12 +38,14 @@ from digenrl.rl.loss import LossConfig, reduce_stats
 from digenrl.rl.noise import initial_keys, initial_latents, transition_noise
 from digenrl.rl.rollout import TransitionBatch, rollout_steps
 from digenrl.rl.steps import plan_steps
-from digenrl.rl.tsp import packed_backward
-from digenrl.telemetry.metrics import LOSS_KEYS, MetricsLog, StepMetrics
+from digenrl.rl.tsp import packed_backward, parity_recompute
+from digenrl.telemetry.metrics import LOSS_KEYS, MetricsLog, StepMetrics, parity_fields, parity_warning
 
 __all__ = ["ColocatedRun", "setup", "iteration", "train", "default_out_dir", "save_grid", "summarize"]
 
 log = logging.getLogger(__name__)
+
+PARITY_SAMPLE_ROWS = 16  # rows recomputed for train.check_parity where training computes none
 
 
 @dataclass
@@ -140,6 +142,8 @@ def iteration(run: ColocatedRun, it: int) -> tuple[dict[str, Any], torch.Tensor,
     keep = (~adv.zero_std[res.transitions.sample]).nonzero().flatten()
     batch: TransitionBatch = res.transitions.rows(keep)
     stats = _train_step(run, batch, cond, a)
+    if not len(batch) and tr.check_parity:  # nothing trained: measure parity on a sample of the dropped rows
+        stats.update(reduce_stats([parity_recompute(model.velocity, res.transitions, cond, PARITY_SAMPLE_ROWS)]))
     t4 = time.perf_counter()
     seconds, run.last_end = t4 - run.last_end, t4
     comps = {} if failed else getattr(run.reward.inner, "last_components", {})
@@ -152,9 +156,12 @@ def iteration(run: ColocatedRun, it: int) -> tuple[dict[str, Any], torch.Tensor,
         rows_trained=len(res.transitions), rows_kept=len(batch), **{k: stats.get(k, 0.0) for k in LOSS_KEYS},
         grad_norm=stats["grad_norm"], max_staleness=0, bubble_ratio={"colocated": bubble, "overall": bubble},
         t_rollout=t1 - t0, t_decode=t2 - t1, t_reward=t3 - t2, t_train=t4 - t3,
-        rewards={name: float(s.mean()) for name, s in comps.items()},
+        rewards={name: float(s.mean()) for name, s in comps.items()}, **parity_fields(stats),
     )
-    return metrics.line(), images, prompts
+    line = metrics.line()
+    if (warning := parity_warning(line, tr.parity_tolerance)) is not None:
+        log.warning(warning)
+    return line, images, prompts
 
 
 def _train_step(run: ColocatedRun, batch: TransitionBatch, cond: dict[str, torch.Tensor], adv: torch.Tensor) -> dict[str, float]:

@@ -19,7 +19,7 @@ from typing import Literal
 
 import torch
 
-__all__ = ["KlKind", "KL_KINDS", "LossConfig", "LossTerms", "grpo_loss", "reduce_stats"]
+__all__ = ["KlKind", "KL_KINDS", "LossConfig", "LossTerms", "grpo_loss", "parity_sums", "reduce_stats"]
 
 KlKind = Literal["exact", "g2"]
 KL_KINDS: tuple[str, ...] = ("exact", "g2")
@@ -131,11 +131,42 @@ def grpo_loss(
     return LossTerms(loss=loss, sums=sums)
 
 
+def parity_sums(log_prob: torch.Tensor, log_prob_old: torch.Tensor) -> dict[str, float]:
+    """Rollout/trainer numerics parity of rows whose trainer weights are the ones that sampled them.
+
+    ``log_prob`` is the trainer's recompute under the behaviour weights, ``log_prob_old`` what the
+    rollout stored: with equal weights and equal numerics the ratio is exactly 1. Returns detached sums
+    (``parity_rows``, ``parity_ratio``) and maxima (``parity_ratio_dev_max`` = max |r - 1|,
+    ``parity_logp_diff_max`` = max |l - l_old|), reduced by :func:`reduce_stats`.
+    """
+    with torch.no_grad():
+        d = (log_prob.detach().float() - log_prob_old.float())
+        r = torch.exp(d)
+        n = d.numel()
+        return {
+            "parity_rows": float(n),
+            "parity_ratio": float(r.sum()),
+            "parity_ratio_dev_max": float((r - 1.0).abs().max()) if n else 0.0,
+            "parity_logp_diff_max": float(d.abs().max()) if n else 0.0,
+        }
+
+
 def reduce_stats(sums: list[dict[str, float]]) -> dict[str, float]:
-    """Turn accumulated per-row sums into means over all rows (``rows`` stays a count)."""
+    """Turn accumulated per-row sums into means over all rows (``rows`` stays a count).
+
+    ``*_max`` keys reduce by maximum; ``parity_*`` sums are means over ``parity_rows`` (see
+    :func:`parity_sums`), which stays a count.
+    """
     total: dict[str, float] = {}
     for s in sums:
         for k, v in s.items():
-            total[k] = total.get(k, 0.0) + v
+            total[k] = max(total.get(k, v), v) if k.endswith("_max") else total.get(k, 0.0) + v
     n = max(total.get("rows", 0.0), 1.0)
-    return {k: (v if k == "rows" else v / n) for k, v in total.items()}
+    n_parity = max(total.get("parity_rows", 0.0), 1.0)
+    out = {}
+    for k, v in total.items():
+        if k in ("rows", "parity_rows") or k.endswith("_max"):
+            out[k] = v
+        else:
+            out[k] = v / (n_parity if k.startswith("parity_") else n)
+    return out

@@ -16,11 +16,11 @@ from __future__ import annotations
 import torch
 
 from digenrl.models.base import Cond, index_cond
-from digenrl.rl.loss import LossConfig, grpo_loss
+from digenrl.rl.loss import LossConfig, grpo_loss, parity_sums
 from digenrl.rl.rollout import TransitionBatch, VelocityFn
 from digenrl.rl.sde import gaussian_log_prob, transition_stats
 
-__all__ = ["packed_backward", "per_step_backward", "backward_rows"]
+__all__ = ["packed_backward", "per_step_backward", "backward_rows", "parity_recompute"]
 
 
 def backward_rows(
@@ -32,6 +32,7 @@ def backward_rows(
     *,
     normalizer: float,
     ref_velocity: VelocityFn | None = None,
+    parity: bool = True,
 ) -> dict[str, float]:
     """One forward/backward over all rows of ``batch`` (each row with its own sigma and conditioning).
 
@@ -43,6 +44,8 @@ def backward_rows(
         cfg: loss config.
         normalizer: the loss is ``sum(rows) / normalizer`` (the total trained rows of the update).
         ref_velocity: the reference velocity, required when ``cfg.kl_beta > 0``.
+        parity: ``velocity`` has the weights that sampled ``batch`` (on-policy), so its log-probs
+            also measure rollout/trainer parity (:func:`digenrl.rl.loss.parity_sums`).
 
     Returns:
         Detached per-row sums of the diagnostics (see :class:`digenrl.rl.loss.LossTerms`).
@@ -76,7 +79,7 @@ def backward_rows(
         g=g,
     )
     (terms.loss.sum() / normalizer).backward()
-    return terms.sums
+    return {**terms.sums, **parity_sums(log_prob, batch.log_prob)} if parity else terms.sums
 
 
 def packed_backward(
@@ -89,6 +92,7 @@ def packed_backward(
     rows_per_pass: int | None = None,
     normalizer: float | None = None,
     ref_velocity: VelocityFn | None = None,
+    parity: bool = True,
 ) -> list[dict[str, float]]:
     """TSP: backward over ``batch`` in passes of up to ``rows_per_pass`` (sample x step) rows.
 
@@ -101,6 +105,7 @@ def packed_backward(
         rows_per_pass: rows per forward/backward; ``None`` packs everything into one pass.
         normalizer: total trained rows of the update (defaults to ``len(batch)``).
         ref_velocity: reference velocity for the KL.
+        parity: the rows were sampled by ``velocity``'s weights (see :func:`backward_rows`).
 
     Returns:
         Per-pass diagnostic sums (reduce with :func:`digenrl.rl.loss.reduce_stats`).
@@ -116,7 +121,8 @@ def packed_backward(
     out: list[dict[str, float]] = []
     for lo in range(0, n, max(per, 1)):
         sub = batch.rows(slice(lo, lo + per))
-        out.append(backward_rows(velocity, sub, cond, advantages, cfg, normalizer=norm, ref_velocity=ref_velocity))
+        out.append(backward_rows(velocity, sub, cond, advantages, cfg, normalizer=norm, ref_velocity=ref_velocity,
+                                 parity=parity))
     return out
 
 
@@ -129,11 +135,29 @@ def per_step_backward(
     *,
     normalizer: float | None = None,
     ref_velocity: VelocityFn | None = None,
+    parity: bool = True,
 ) -> list[dict[str, float]]:
     """The Flow-GRPO reference loop: one forward/backward per timestep over the samples trained there."""
     norm = float(normalizer if normalizer is not None else max(len(batch), 1))
     out: list[dict[str, float]] = []
     for step in torch.unique(batch.step).tolist():
         sub = batch.rows((batch.step == step).nonzero().flatten())
-        out.append(backward_rows(velocity, sub, cond, advantages, cfg, normalizer=norm, ref_velocity=ref_velocity))
+        out.append(backward_rows(velocity, sub, cond, advantages, cfg, normalizer=norm, ref_velocity=ref_velocity,
+                                 parity=parity))
     return out
+
+
+def parity_recompute(velocity: VelocityFn, batch: TransitionBatch, cond: Cond, max_rows: int) -> dict[str, float]:
+    """Parity sums of up to ``max_rows`` evenly spaced rows, recomputed without gradients.
+
+    For rows the training pass does not measure (``train.check_parity``): ``velocity`` must carry the
+    weights that sampled ``batch`` (the behaviour policy).
+    """
+    n = len(batch)
+    if n == 0:
+        return {"parity_rows": 0.0}
+    sub = batch.rows(torch.linspace(0, n - 1, min(n, max_rows)).round().long().unique())
+    with torch.no_grad():
+        v = velocity(sub.x, sub.sigma, index_cond(cond, sub.sample))
+        mean, std, _ = transition_stats(sub.x, v, sub.sigma, sub.sigma_next, sub.noise_level, sub.kind)
+        return parity_sums(gaussian_log_prob(sub.x_next, mean, std, sub.kind), sub.log_prob)

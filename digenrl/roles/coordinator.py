@@ -42,7 +42,7 @@ from digenrl.rl.advantages import GroupAssembler
 from digenrl.rl.loss import reduce_stats
 from digenrl.schedule import make_schedule
 from digenrl.schedule.base import CostEstimate, Device, DeviceDied, Role, Schedule, Token, TokenDone, TokenKind, Workload
-from digenrl.telemetry.metrics import LOSS_KEYS, PHASE_KEYS, StepMetrics
+from digenrl.telemetry.metrics import LOSS_KEYS, PHASE_KEYS, StepMetrics, parity_fields, parity_warning
 from digenrl.telemetry.spans import SpanLog, window_bubbles
 
 __all__ = ["Coordinator", "RunStopped"]
@@ -392,7 +392,10 @@ class Coordinator:
             **{k: stats.get(k, 0.0) for k in LOSS_KEYS}, grad_norm=optim["grad_norm"], max_staleness=book.staleness,
             bubble_ratio=bubbles, **{k: book.phase.get(k, 0.0) for k in PHASE_KEYS},
             rewards={name: float(torch.tensor(_in_sample_order(v)).mean()) for name, v in book.components.items() if v},
+            **parity_fields(stats),
         ).line()
+        if (warning := parity_warning(metrics, self.cfg.train.parity_tolerance)) is not None:
+            log.warning("coordinator: %s", warning)
         self.history.append(metrics)
         if book.images and self.on_images is not None:
             self.on_images(batch, torch.cat([book.images[k] for k in sorted(book.images)]))

@@ -29,11 +29,11 @@ from digenrl.actors.base import Actor, endpoint
 from digenrl.config import config_from_dict
 from digenrl.errors import ActorDied, ConfigError, StalenessViolation
 from digenrl.models import cat_cond, reference
-from digenrl.models.lora import load_trainable, save_trainable, trainable_state_dict
+from digenrl.models.lora import load_trainable, load_trainable_state_dict, save_trainable, trainable_state_dict
 from digenrl.policy import build_model
 from digenrl.rl.loss import LossConfig
 from digenrl.rl.rollout import TransitionBatch
-from digenrl.rl.tsp import packed_backward, per_step_backward
+from digenrl.rl.tsp import packed_backward, parity_recompute, per_step_backward
 from digenrl.roles.fragments import FragmentData, FragmentEngine, probe_velocity
 from digenrl.roles.rollout import GenerationMixin, limit_threads
 from digenrl.roles.weights import pack_buckets, state_digest
@@ -41,6 +41,7 @@ from digenrl.roles.weights import pack_buckets, state_digest
 __all__ = ["TrainerActor", "PREVIOUS_WEIGHTS"]
 
 PREVIOUS_WEIGHTS = "previous.safetensors"  # in a checkpoint of a one-step-stale run: version - 1's weights
+PARITY_SAMPLE_ROWS = 16  # rows of a stale pass recomputed under the behaviour weights (train.check_parity)
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +83,7 @@ class TrainerActor(GenerationMixin, Actor):
         self.store: dict[tuple[int, int], FragmentData] = {}
         self.version = 0
         self._previous: dict[str, torch.Tensor] | None = None  # version - 1's weights, for a stale checkpoint
+        self._behaviour: dict[str, torch.Tensor] | None = None  # version - 1's weights, for train.check_parity
         self._snapshot: list[torch.Tensor] = []
         self._lane: Any = None
 
@@ -167,7 +169,8 @@ class TrainerActor(GenerationMixin, Actor):
             sel = sel[keep[t["sample"][s:e]]]
             rows.append([frag.geo[1], s, e, int(sel.numel())])
             if sel.numel():
-                parts.append(TransitionBatch(**{k: t[k][sel] for k in t}, kind=self.cfg.rollout.sde))  # type: ignore[arg-type]
+                parts.append(TransitionBatch(**{k: t[k][sel] for k in t}, kind=self.cfg.rollout.sde,  # type: ignore[arg-type]
+                                             policy_version=frag.version))
                 offsets.append(offset)
             conds.append(frag.cond)
             advs.append(torch.tensor(info["adv"], dtype=torch.float32))
@@ -177,14 +180,29 @@ class TrainerActor(GenerationMixin, Actor):
         batch = TransitionBatch.cat(parts, offsets)
         cond, adv = cat_cond(conds), torch.cat(advs)
         ref = self._ref_velocity if self.loss_cfg.kl_beta > 0 else None
+        on_policy = batch.policy_version == self.version  # then the training forward also measures parity
         if token.get("packed", True):
             per = self.cfg.train.rows_per_pass or None
             sums = packed_backward(self.model.velocity, batch, cond, adv, self.loss_cfg, rows_per_pass=per,
-                                   normalizer=1.0, ref_velocity=ref)
+                                   normalizer=1.0, ref_velocity=ref, parity=on_policy)
         else:
             sums = per_step_backward(self.model.velocity, batch, cond, adv, self.loss_cfg, normalizer=1.0,
-                                     ref_velocity=ref)
+                                     ref_velocity=ref, parity=on_policy)
+        if not on_policy and self.cfg.train.check_parity:
+            sums.append(self._behaviour_parity(batch, cond))
         return sums, rows
+
+    def _behaviour_parity(self, batch: TransitionBatch, cond: dict[str, torch.Tensor]) -> dict[str, float]:
+        """Parity of a stale pass: a sample of its rows under the weights that sampled them (version - 1)."""
+        behaviour = self._behaviour if self._behaviour is not None else self._previous
+        if batch.policy_version != self.version - 1 or behaviour is None:
+            return {"parity_rows": 0.0}
+        current = trainable_state_dict(self.model)
+        load_trainable_state_dict(self.model, behaviour)
+        try:
+            return parity_recompute(self.model.velocity, batch, cond, PARITY_SAMPLE_ROWS)
+        finally:
+            load_trainable_state_dict(self.model, current)  # bit for bit: gradients and optimizer untouched
 
     def _ref_velocity(self, x: torch.Tensor, sigma: torch.Tensor, cond: dict[str, torch.Tensor]) -> torch.Tensor:
         with reference(self.model):
@@ -226,6 +244,8 @@ class TrainerActor(GenerationMixin, Actor):
 
     def _optim_compute(self, total_rows: int, others: list[list[torch.Tensor]], keep_previous: bool) -> float:
         self._previous = trainable_state_dict(self.model) if keep_previous else None
+        keep_behaviour = self.cfg.train.check_parity and self.staleness > 0
+        self._behaviour = (self._previous or trainable_state_dict(self.model)) if keep_behaviour else None
         if total_rows == 0:  # every group had identical rewards: nothing to learn from (as colocated)
             self.optimizer.zero_grad(set_to_none=True)
             return 0.0

@@ -47,11 +47,19 @@ class LiveDisplay:
 
         table = Table(title=f"{self.title}  ({len(self._rows)}/{self.total} steps)")
         actors = sorted(self._rows[-1]["bubble_ratio"]) if self._rows else []
-        for col in ("step", "reward", "± std", "samples/s", "staleness", *(f"bubble {a}" for a in actors), "s"):
+        for col in ("step", "reward", "± std", "samples/s", "staleness", "parity ratio", "max |Δlogp|",
+                    *(f"bubble {a}" for a in actors), "s"):
             table.add_column(col, justify="right")
         for m in self._rows[-12:]:
             b = m["bubble_ratio"]
             table.add_row(str(m["step"]), f"{m['reward_mean']:.4f}", f"{m['reward_std']:.4f}",
-                          f"{m['samples_per_s']:.1f}", str(m["max_staleness"]),
+                          f"{m['samples_per_s']:.1f}", str(m["max_staleness"]), *_parity(m),
                           *(f"{b.get(a, 0.0):.0%}" for a in actors), f"{m['seconds']:.2f}")
         return table
+
+
+def _parity(m: dict[str, Any]) -> tuple[str, str]:
+    """The parity cells: mean ratio and max |dlog-prob| before the update ('-' when no row was measured)."""
+    if m.get("parity_ratio") is None:
+        return "-", "-"
+    return f"{m['parity_ratio']:.6f}", f"{m['parity_logp_diff_max']:.1e}"

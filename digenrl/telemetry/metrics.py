@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["StepMetrics", "LOSS_KEYS", "PHASE_KEYS", "METRIC_KEYS", "MetricsLog"]
+__all__ = ["StepMetrics", "LOSS_KEYS", "PHASE_KEYS", "PARITY_KEYS", "METRIC_KEYS", "MetricsLog", "parity_fields",
+           "parity_warning"]
 
 log = logging.getLogger(__name__)
 
@@ -25,6 +26,8 @@ LOSS_KEYS = ("policy_loss", "kl", "approx_kl", "clipfrac", "clipfrac_gt_one", "c
 #: Seconds the batch's work took in each phase, summed over devices: denoising steps, VAE decode,
 #: reward scoring, and training (forward/backward and the optimizer step).
 PHASE_KEYS = ("t_rollout", "t_decode", "t_reward", "t_train")
+#: Rollout/trainer numerics parity before the step's update (``digenrl.rl.loss.parity_sums``).
+PARITY_KEYS = ("parity_rows", "parity_ratio", "parity_ratio_dev_max", "parity_logp_diff_max")
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +52,13 @@ class StepMetrics:
             their mean, ``overall``; the colocated loop is one actor, ``colocated``.
         t_rollout, t_decode, t_reward, t_train: seconds this batch's work took in each phase
             (:data:`PHASE_KEYS`), summed over actors.
+        parity_rows ... parity_logp_diff_max: rollout/trainer parity, before the step's update, of
+            the rows the trainer recomputed with the very weights that sampled them (every row of an
+            on-policy batch; of a stale async1 batch, a sample recomputed under the behaviour weights
+            when ``train.check_parity``): how many rows, their mean ratio ``exp(l - l_old)`` (1 when
+            both sides compute the same numbers), max |ratio - 1| and max |l - l_old|. ``None`` when
+            no row was measured. This is not ``ratio``: a stale batch's ratio against the *current*
+            weights differs from 1 by design (the policy moved); parity compares like with like.
     """
 
     step: int
@@ -79,6 +89,10 @@ class StepMetrics:
     t_decode: float
     t_reward: float
     t_train: float
+    parity_rows: int
+    parity_ratio: float | None
+    parity_ratio_dev_max: float | None
+    parity_logp_diff_max: float | None
     rewards: dict[str, float] = field(default_factory=dict)
 
     def line(self) -> dict[str, Any]:
@@ -90,6 +104,24 @@ class StepMetrics:
 
 #: Keys every ``metrics.jsonl`` line has, whatever the schedule (``reward/<name>`` keys follow the config).
 METRIC_KEYS = tuple(f.name for f in dataclasses.fields(StepMetrics) if f.name != "rewards")
+
+
+def parity_fields(stats: dict[str, float]) -> dict[str, Any]:
+    """The :data:`PARITY_KEYS` fields from reduced loss stats (``None`` values when no row was measured)."""
+    rows = int(stats.get("parity_rows", 0))
+    values = {k: (stats.get(k, 0.0) if rows else None) for k in PARITY_KEYS[1:]}
+    return {"parity_rows": rows, **values}
+
+
+def parity_warning(line: dict[str, Any], tolerance: float) -> str | None:
+    """A warning when a step's parity is off by more than ``tolerance`` (``train.parity_tolerance``)."""
+    dev, diff = line.get("parity_ratio_dev_max"), line.get("parity_logp_diff_max")
+    if dev is None or diff is None or max(dev, diff) <= tolerance:
+        return None
+    return (f"step {line['step']}: rollout/trainer parity off: max |ratio - 1| = {dev:.3g}, max |dlog-prob| = "
+            f"{diff:.3g} > train.parity_tolerance {tolerance:g} over {line['parity_rows']} rows recomputed "
+            "with the weights that sampled them; rollout and training compute different numbers (dtype, "
+            "kernels, LoRA merge, or stale weights on a rollout actor)")
 
 
 class MetricsLog:

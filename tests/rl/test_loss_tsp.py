@@ -157,3 +157,30 @@ def test_gradient_sign(sign: float) -> None:
         assert after < before - 0.05
     else:
         assert math.isclose(float(net.theta.detach()), 0.0, abs_tol=1e-12)
+
+
+def test_parity_metrics_measure_the_rollout_log_probs_against_the_recompute() -> None:
+    """Max |dl| and max |r - 1| are the largest per-row gaps; the recompute of a sample agrees with the pass."""
+    from dataclasses import replace
+
+    from digenrl.rl.tsp import parity_recompute
+    from digenrl.telemetry.metrics import parity_fields, parity_warning
+
+    net, batch, cond, adv, _ = make_batch()
+    shift = torch.zeros(len(batch))
+    shift[3] = 0.01  # one row's stored log-prob off by 0.01: what a rollout/trainer numerics drift looks like
+    drifted = replace(batch, log_prob=batch.log_prob + shift)
+    stats = reduce_stats(packed_backward(net, drifted, cond, adv, LossConfig(), rows_per_pass=4))
+    assert stats["parity_rows"] == len(batch)
+    assert stats["parity_logp_diff_max"] == pytest.approx(0.01, abs=1e-6)
+    assert stats["parity_ratio_dev_max"] == pytest.approx(1 - math.exp(-0.01), abs=1e-6)
+    assert stats["parity_ratio"] == pytest.approx((len(batch) - 1 + math.exp(-0.01)) / len(batch), abs=1e-6)
+    line = {"step": 7, **parity_fields(stats)}
+    warning = parity_warning(line, 1e-3)
+    assert warning is not None and "train.parity_tolerance" in warning and "step 7" in warning
+    assert parity_warning(line, 0.1) is None
+    # A pass that does not measure parity (stale rows) adds nothing; a recompute of every row matches.
+    assert "parity_rows" not in packed_backward(net, batch, cond, adv, LossConfig(), parity=False)[0]
+    again = reduce_stats([parity_recompute(net, drifted, cond, max_rows=len(batch))])
+    assert again["parity_logp_diff_max"] == pytest.approx(0.01, abs=1e-6)
+    assert parity_fields(reduce_stats([parity_recompute(net, batch.rows([]), cond, 4)]))["parity_ratio"] is None

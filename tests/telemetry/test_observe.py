@@ -22,3 +22,10 @@ def test_metrics_log_rewrites_history_on_resume_and_live_table_renders(tmp_path:
     table = live._render()
     assert [c.header for c in table.columns][-4:] == ["bubble overall", "bubble rollout-0", "bubble trainer-0", "s"]
     assert table.row_count == 1
+    # Parity columns: the mean ratio and max |dlog-prob| before the update, '-' when no row was measured.
+    cells = {c.header: list(c.cells) for c in table.columns}
+    assert cells["parity ratio"] == ["-"] and cells["max |Δlogp|"] == ["-"]
+    live.update({**m, "step": 2, "parity_rows": 16, "parity_ratio": 1.0, "parity_ratio_dev_max": 1.2e-7,
+                 "parity_logp_diff_max": 1.2e-7})
+    cells = {c.header: list(c.cells) for c in live._render().columns}
+    assert cells["parity ratio"][-1] == "1.000000" and cells["max |Δlogp|"][-1] == "1.2e-07"
