@@ -24,11 +24,14 @@ _SET_HELP = "Override a config value, e.g. --set train.lr=1e-3 (repeatable; valu
 
 def _load(config: Path, overrides: list[str] | None, validate_only: bool = False) -> Config:
     from digenrl.config import check_runnable, load_config
+    from digenrl.transport.hosts import check_bind_address
 
     try:
         cfg = load_config(config, overrides or [])
         if not validate_only:
             check_runnable(cfg)
+        if cfg.disaggregated:
+            check_bind_address(cfg.transport.address, "transport.address")
         return cfg
     except ConfigError as exc:
         typer.secho(f"config error: {exc}", fg=typer.colors.RED, err=True)
@@ -125,7 +128,8 @@ def validate(
     config: Annotated[Path, typer.Argument(help="A TOML config.")],
     set_: Annotated[list[str] | None, typer.Option("--set", help=_SET_HELP)] = None,
 ) -> None:
-    """Check a config (keys, types, allowed values) without building anything."""
+    """Check a config (keys, types, allowed values, and that this host can bind transport.address)
+    without building anything."""
     cfg = _load(config, set_, validate_only=True)
     typer.echo(f"{config}: ok ({cfg.model.name}/{cfg.model.preset}, reward {dict(cfg.reward.weights)}, "
                f"{cfg.train.iterations} iterations, schedule {cfg.schedule.name})")

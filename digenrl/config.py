@@ -259,7 +259,8 @@ class ScheduleConfig:
 class PlacementConfig:
     """``[placement]``: threads of the colocated process; actors per role and their threads.
 
-    ``workers > 0`` waits for that many ``digenrl worker --join`` processes (one per GPU, any host).
+    ``workers > 0`` waits for that many ``digenrl worker --join`` processes (one per GPU, any host),
+    at most ``join_timeout`` seconds.
     """
 
     threads: int = 2  # colocated only
@@ -268,6 +269,7 @@ class PlacementConfig:
     reward: int = 0
     actor_threads: int = 1
     workers: int = 0
+    join_timeout: float = 600.0  # seconds to wait for the workers to join
 
     def __post_init__(self) -> None:
         _check("placement.threads", self.threads >= 1, ">= 1", self.threads)
@@ -276,6 +278,7 @@ class PlacementConfig:
         _check("placement.reward", self.reward >= 0, ">= 0", self.reward)
         _check("placement.actor_threads", self.actor_threads >= 1, ">= 1", self.actor_threads)
         _check("placement.workers", self.workers >= 0, ">= 0", self.workers)
+        _check("placement.join_timeout", self.join_timeout > 0, "> 0 seconds", self.join_timeout)
         actors = self.rollout + self.trainer + self.reward
         if self.workers and self.workers < actors:
             raise ConfigError(f"placement.workers = {self.workers}: one actor per joined worker needs at least "
@@ -306,6 +309,24 @@ class TransportConfig:
             raise ConfigError(f"transport.weights: must be 'zmq' (actor messages) when transport.actors = 'inproc', "
                               f"got {self.weights!r}")
         _check("transport.bucket_mb", self.bucket_mb > 0, "> 0", self.bucket_mb)
+        if self.address:
+            _check_address("transport.address", self.address, self.actors)
+
+
+def _check_address(key: str, address: str, actors: str) -> None:
+    """The form of a bind address (whether this host has the interface is checked at launch)."""
+    schemes = ("inproc://",) if actors == "inproc" else ("tcp://", "ipc://")
+    _check(key, address.startswith(schemes), f"an address starting with {' or '.join(schemes)} "
+           f"(transport.actors = {actors!r})", address)
+    if not address.startswith("tcp://"):
+        _check(key, len(address.split("://", 1)[1]) > 0, "a non-empty path or name after the scheme", address)
+        return
+    host, _, port = address.removeprefix("tcp://").rpartition(":")
+    _check(key, bool(host) and port.isdigit() and int(port) <= 65535, "tcp://HOST:PORT with a port in 0..65535",
+           address)
+    # Peers send their replies to this address, so it must name one interface, never all of them.
+    _check(key, host.strip("[]") not in ("0.0.0.0", "::", "*"),
+           "one interface of this host (peers reply to it), not a wildcard", address)
 
 
 @dataclass(frozen=True)

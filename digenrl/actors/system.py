@@ -31,7 +31,7 @@ import itertools
 import logging
 import secrets
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -291,15 +291,37 @@ class ActorSystem:
                     await worker.agent.call("shutdown", 1.0)
         await child.stop(timeout=2.0)
 
-    async def wait_for_workers(self, n: int = 1, timeout: float = 60.0) -> list[Worker]:
-        """Wait until ``n`` workers (``digenrl worker --join``) have joined; return them.
+    async def wait_for_workers(self, n: int = 1, timeout: float = 60.0,
+                               on_join: Callable[[Worker, int], None] | None = None) -> list[Worker]:
+        """Wait until ``n`` workers (``digenrl worker --join``) have joined; return the first ``n``.
+
+        Args:
+            n: how many workers to wait for.
+            timeout: the deadline in seconds.
+            on_join: called as ``on_join(worker, k)`` for the k-th worker (1-based), at once for
+                those that joined before the call, then as each joins (progress for a launcher).
 
         Raises:
-            TimeoutError: fewer than ``n`` joined within ``timeout`` seconds.
+            TimeoutError: fewer than ``n`` joined within ``timeout`` seconds; the message says how many.
         """
-        async with asyncio.timeout(timeout), self._joined:
-            await self._joined.wait_for(lambda: len(self.workers) >= n)
-        return self.workers[:n]
+        seen: set[str] = set()
+
+        def report() -> None:
+            for worker in self.workers[:n]:
+                if worker.address not in seen:
+                    seen.add(worker.address)
+                    if on_join is not None:
+                        on_join(worker, len(seen))
+
+        try:
+            async with asyncio.timeout(timeout), self._joined:
+                while True:
+                    report()
+                    if len(self.workers) >= n:
+                        return self.workers[:n]
+                    await self._joined.wait()
+        except TimeoutError:
+            raise TimeoutError(f"{len(self.workers)} of {n} workers joined within {timeout:g} s") from None
 
     async def _on_join(self, info: dict[str, Any]) -> dict[str, Any]:
         node = self._running()

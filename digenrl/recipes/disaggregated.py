@@ -21,6 +21,7 @@ real spans).
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
 import logging
 import socket
@@ -31,7 +32,7 @@ from typing import Any
 
 import torch
 
-from digenrl.actors import ActorSystem
+from digenrl.actors import ActorSystem, Worker
 from digenrl.actors.loop import run as run_loop
 from digenrl.config import ACTOR_SCHEDULES, Config
 from digenrl.data.prompts import load_prompts
@@ -50,6 +51,7 @@ from digenrl.telemetry.spans import Timeline
 from digenrl.telemetry.stats import run_stats
 from digenrl.telemetry.trace import write_artifacts
 from digenrl.transport.curve import ClusterKeys, load_keys
+from digenrl.transport.hosts import check_bind_address
 
 __all__ = ["run_disaggregated", "arun_disaggregated", "tiny_cpu_cost", "Cluster", "start_cluster"]
 
@@ -110,10 +112,29 @@ def _staleness(cfg: Config) -> int:
     return max(cfg.schedule.staleness, PRESETS[cfg.schedule.name].staleness)
 
 
+async def _wait_for_workers(system: ActorSystem, n: int, timeout: float) -> list[Worker]:
+    """Wait for ``n`` joined workers, logging each as it joins; a clear error after ``timeout`` seconds."""
+    log.info("waiting up to %g s for %d workers: start `digenrl worker --join %s` once per GPU on each host",
+             timeout, n, system.address)
+
+    def joined(worker: Worker, k: int) -> None:
+        log.info("worker %d of %d joined from %s (pid %d)", k, n, worker.host, worker.pid)
+
+    try:
+        return await system.wait_for_workers(n, timeout=timeout, on_join=joined)
+    except TimeoutError as exc:
+        hosts = collections.Counter(w.host for w in system.workers)
+        listing = ", ".join(f"{host} x{count}" for host, count in sorted(hosts.items())) or "none"
+        raise ConfigError(f"{exc} (hosts: {listing}); start the missing ones with `digenrl worker --join "
+                          f"{system.address}` on each host, or lower placement.workers / raise "
+                          f"placement.join_timeout") from None
+
+
 async def start_cluster(system: ActorSystem, cfg: Config, version: int = 0) -> Cluster:
     """Spawn and wire the actors of ``cfg.placement`` inside a started ``system``.
 
     Raises:
+        ConfigError: fewer than ``placement.workers`` workers joined within ``placement.join_timeout``.
         RemoteError: an actor's constructor or setup failed (its traceback attached).
         ActorDied: an actor process died before it was ready.
     """
@@ -130,8 +151,7 @@ async def start_cluster(system: ActorSystem, cfg: Config, version: int = 0) -> C
     if place.workers:
         # One actor per joined worker (each worker is one GPU of some host, its launcher sets
         # CUDA_VISIBLE_DEVICES), in join order: trainers first, then rollout and reward actors.
-        log.info("waiting for %d workers to join %s", place.workers, system.address)
-        workers = await system.wait_for_workers(place.workers, timeout=600.0)
+        workers = await _wait_for_workers(system, place.workers, place.join_timeout)
         spawns = [system.spawn(cls, *args, name=name, on=w) for (name, _, cls, args), w in zip(plan, workers)]
     else:
         plan = [(name, role, cls, (_on_gpu(conf, k), *args[1:])) for k, (name, role, cls, args) in enumerate(plan)]
@@ -182,6 +202,7 @@ async def arun_disaggregated(cfg: Config, out_dir: str | Path | None = None, res
         raise ConfigError(f"schedule.name = {cfg.schedule.name!r} runs the single-process loop; the actor recipe "
                           f"needs one of {', '.join(ACTOR_SCHEDULES)} (run_disaggregated runs both)")
     sched, place, transport, logc = cfg.schedule, cfg.placement, cfg.transport, cfg.log
+    check_bind_address(transport.address, "transport.address")  # before any checkpoint is read or process started
     out = Path(out_dir or cfg.log.out or default_out_dir())
     base, history, ckpt = 0, [], None
     options: dict[str, Any] = dict(cfg.schedule_options)
@@ -222,8 +243,10 @@ async def arun_disaggregated(cfg: Config, out_dir: str | Path | None = None, res
 
     # cuda_ipc: the actors' messages (weights and latents alike) carry CUDA IPC handles instead of host copies.
     kind = "cuda_ipc" if transport.weights == "cuda_ipc" else transport.actors
+    # A failed bind (port in use) names the config key that holds the address.
+    bind_options = {} if kind == "inproc" else {"address_key": "transport.address"}
     async with ActorSystem(transport=kind, address=transport.address or None, name="coordinator",
-                           keys=cluster_keys(cfg)) as system:
+                           keys=cluster_keys(cfg), transport_options=bind_options) as system:
         cluster = await start_cluster(system, cfg, base)
         trainers = cluster.names(Role.TRAINER)
         if ckpt is not None:

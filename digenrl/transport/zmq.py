@@ -37,6 +37,7 @@ State machine and races (the contract of :class:`~digenrl.transport.base.Transpo
 from __future__ import annotations
 
 import asyncio
+import errno
 import itertools
 import logging
 import os
@@ -58,6 +59,7 @@ from digenrl.transport import _shm, codec
 from digenrl.transport._stale import sweep_stale_once
 from digenrl.transport.curve import ClusterKeys, require_keys, start_authenticator
 from digenrl.transport.base import Message, Transport
+from digenrl.transport.hosts import bind_error
 
 __all__ = ["ZmqTransport"]
 
@@ -165,11 +167,14 @@ class ZmqTransport(Transport):
             the bound one (a wildcard or NAT bind); ``host`` alone keeps the bound port.
         curve: the cluster's CURVE keys (:func:`digenrl.transport.curve.load_keys`): every socket
             authenticates and encrypts. Required for ``tcp://`` off loopback.
+        address_key: where ``address`` came from (e.g. the config key ``transport.address``),
+            named in bind errors.
 
     Raises:
         ValueError: the address is not ``ipc://`` or ``tcp://``.
-        ConfigError: a ``tcp://`` address off loopback without ``curve`` keys.
-        zmq.ZMQError: the address cannot be bound (e.g. in use).
+        ConfigError: a ``tcp://`` address off loopback without ``curve`` keys, or an address that
+            cannot be bound here (in use, or no such interface on this host).
+        zmq.ZMQError: any other bind failure.
     """
 
     kind: ClassVar[str] = "zmq"
@@ -192,6 +197,7 @@ class ZmqTransport(Transport):
         options: codec.CodecOptions | None = None,
         advertise: str | None = None,
         curve: ClusterKeys | None = None,
+        address_key: str = "address",
     ) -> None:
         sweep_stale_once()
         if address is None:
@@ -231,7 +237,12 @@ class ZmqTransport(Transport):
                 curve.serve(self._router)
                 self._auth_monitor = self._router.get_monitor_socket(_HANDSHAKE_FAILED | zmq.EVENT_MONITOR_STOPPED)
                 self._res.sockets.append(self._auth_monitor)
-            self._router.bind(address)
+            try:
+                self._router.bind(address)
+            except zmq.ZMQError as exc:
+                if exc.errno in (errno.EADDRINUSE, errno.EADDRNOTAVAIL, errno.ENODEV):
+                    raise bind_error(address, address_key, exc.errno) from None
+                raise
             bound = self._router.getsockopt_string(zmq.LAST_ENDPOINT)
             # A wildcard bind (tcp://0.0.0.0:0) is not an address peers can dial: advertise one.
             self._address = _advertised(advertise, bound)

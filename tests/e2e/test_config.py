@@ -63,6 +63,12 @@ def test_shipped_config_loads_with_overrides() -> None:
         ("log.trace=1", r"log.trace: must be of type bool"),
         ("placement.workers=1", r"placement.workers = 1: one actor per joined worker needs at least 2"),
         ("placement.workers=2", r"needs transport.actors = 'zmq' and transport.address = 'tcp://"),
+        ("transport.address=http://127.0.0.1:5555", r"transport.address: must be an address starting with tcp:// or ipc://"),
+        ("transport.address=tcp://127.0.0.1", r"transport.address: must be tcp://HOST:PORT with a port in 0\.\.65535"),
+        ("transport.address=tcp://127.0.0.1:99999", r"transport.address: must be tcp://HOST:PORT"),
+        ("transport.address=tcp://0.0.0.0:5555", r"transport.address: must be one interface of this host .*not a wildcard"),
+        ("transport.address=inproc://x", r"transport.address: must be an address starting with tcp:// or ipc://"),
+        ("transport.actors=inproc;transport.address=tcp://127.0.0.1:0", r"transport.address: must be an address starting with inproc://"),
         ("schedule.name=gap;placement.rollout=0", r"placement.rollout = 0 needs a schedule with TAG \(tag, async1\), not 'gap'"),
     ],
 )
