@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from digenrl.errors import ConfigError
-from digenrl.schedule.options import SCHEDULES, SIZE_KEYS
+from digenrl.schedule.options import PRESETS, SCHEDULES, SIZE_KEYS
 
 __all__ = [
     "check_runnable",
@@ -48,6 +48,8 @@ __all__ = [
     "config_from_dict",
     "parse_override",
     "apply_overrides",
+    "SHARD_MODES",
+    "resolve_shard",
 ]
 
 
@@ -59,6 +61,28 @@ def _choice(key: str, value: object, allowed: tuple[object, ...]) -> None:
 def _check(key: str, ok: bool, what: str, value: object) -> None:
     if not ok:
         raise ConfigError(f"{key}: must be {what}, got {value!r}")
+
+
+SHARD_MODES = ("auto", "none", "ddp", "fsdp")
+
+
+def resolve_shard(shard: str, finetune: str, world: int) -> str:
+    """The effective ``train.shard`` of a group of ``world`` trainers.
+
+    ``auto``: one trainer needs none; LoRA (a small trainable set every trainer holds whole) is
+    ``ddp``; full fine-tuning with several trainers is ``fsdp`` (weights + grads + Adam states of a
+    12-20B transformer do not fit one GPU).
+
+    Raises:
+        ConfigError: an unknown mode, or ``none`` with several trainers.
+    """
+    _choice("train.shard", shard, SHARD_MODES)
+    if shard == "auto":
+        return "none" if world == 1 else ("fsdp" if finetune == "full" else "ddp")
+    if shard == "none" and world > 1:
+        raise ConfigError(f"train.shard: 'none' with placement.trainer = {world}: several trainers must share their "
+                          "gradients; use 'auto', 'ddp' or 'fsdp'")
+    return shard
 
 
 @dataclass(frozen=True)
@@ -82,6 +106,9 @@ class ModelConfig:
     # "signal": re-draw a random preset's VAE decoder convs (He init) so pixels depend on the latent;
     # see digenrl/models/_toy.py. Never applies to pretrained weights.
     vae_init: str = "default"
+    # The frozen text encoder runs once per prompt (embeddings are cached); true moves it to the CPU
+    # between uses (its GPU memory goes to activations). Trainers never encode: they free it always.
+    offload_text_encoder: bool = True
 
     def __post_init__(self) -> None:
         from digenrl.models import MODEL_NAMES, PRESETS
@@ -164,6 +191,12 @@ class TrainConfig:
     parity_tolerance: float = 1e-3
     # Also measure parity of stale rows (async1): recompute a sample under the weights that sampled them.
     check_parity: bool = False
+    # Several trainers: "auto" (LoRA -> ddp, full fine-tune -> fsdp, one trainer -> none), "ddp"
+    # (bucketed all-reduce of the gradients at the step), "fsdp" (FSDP2 per transformer block).
+    shard: str = "auto"
+    fp32_master: bool = True  # bf16/fp16 models: trainable weights (and the gradient reduction) in fp32
+    grad_checkpointing: bool = False  # recompute transformer blocks in backward (diffusers' own switch)
+    group_timeout: float = 600.0  # seconds a trainer-group collective (or the rendezvous) waits for a peer
 
     def __post_init__(self) -> None:
         _check("train.iterations", self.iterations >= 1, ">= 1", self.iterations)
@@ -179,6 +212,8 @@ class TrainConfig:
         _check("train.rows_per_pass", self.rows_per_pass >= 0, ">= 0", self.rows_per_pass)
         _choice("train.control", self.control, ("none", "shuffled", "negated"))
         _check("train.parity_tolerance", self.parity_tolerance > 0, "> 0", self.parity_tolerance)
+        _choice("train.shard", self.shard, SHARD_MODES)
+        _check("train.group_timeout", self.group_timeout > 0, "> 0", self.group_timeout)
 
 
 @dataclass(frozen=True)
@@ -389,6 +424,28 @@ class Config:
         if place.workers and (transport.actors != "zmq" or not transport.address.startswith("tcp://")):
             raise ConfigError("placement.workers > 0 needs transport.actors = 'zmq' and transport.address = "
                               "'tcp://<this host>:<port>' for the workers to join")
+        shard = resolve_shard(self.train.shard, self.model.finetune, place.trainer)
+        if name != "colocated" and place.trainer > 1:
+            if transport.actors != "zmq":
+                raise ConfigError(f"placement.trainer = {place.trainer} needs transport.actors = 'zmq': the trainers "
+                                  "form a torch.distributed group, one process each")
+            if transport.weights == "torchdist":
+                raise ConfigError("transport.weights: 'torchdist' puts the lead trainer in a second process group "
+                                  f"beside its trainer group (placement.trainer = {place.trainer}); use 'zmq' or "
+                                  "'cuda_ipc'")
+        if shard == "fsdp" and place.rollout == 0:
+            raise ConfigError("placement.rollout = 0 needs trainers that generate (TAG), which train.shard = 'fsdp' "
+                              "turns off; add a rollout actor or use train.shard = 'ddp'")
+
+    @property
+    def trainers_generate(self) -> bool:
+        """Whether trainer actors also generate (TAG: ROLLOUT/REWARD tokens), so need the VAE and text encoder."""
+        return self.disaggregated and PRESETS[self.schedule.name].tag and self.shard != "fsdp"
+
+    @property
+    def shard(self) -> str:
+        """The effective trainer sharding (``train.shard`` resolved for ``placement.trainer`` trainers)."""
+        return resolve_shard(self.train.shard, self.model.finetune, self.placement.trainer)
 
     @property
     def disaggregated(self) -> bool:

@@ -37,6 +37,7 @@ __all__ = [
     "trainable_state_dict",
     "load_trainable_state_dict",
     "reference",
+    "reference_transformer",
     "sampling",
     "save_trainable",
     "load_trainable",
@@ -181,9 +182,19 @@ def load_trainable_state_dict(model: Any, state_dict: dict[str, torch.Tensor]) -
         k = bad[0]
         raise ValueError(f"trainable state dict shape mismatch at {k!r}: expected {tuple(own[k].shape)}, "
                          f"got {tuple(state_dict[k].shape)} ({len(bad)} keys differ)")
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
     with torch.no_grad():
         for k, dst in own.items():
-            dst.copy_(state_dict[k].to(device=dst.device, dtype=dst.dtype))
+            src = state_dict[k].to(device=dst.device, dtype=dst.dtype)
+            if isinstance(dst, DTensor) and not isinstance(src, DTensor):  # FSDP: its own shard of the full tensor
+                src = distribute_tensor(src, dst.device_mesh, dst.placements, src_data_rank=None)
+            dst.copy_(src)
+
+
+def reference_transformer(model: Any) -> torch.nn.Module | None:
+    """The frozen reference copy of a fully fine-tuned transformer (``None`` in LoRA mode: no copy)."""
+    return getattr(model.transformer, _REF_ATTR, [None])[0]
 
 
 @contextlib.contextmanager

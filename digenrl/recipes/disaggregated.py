@@ -7,8 +7,10 @@
 
 Setup (torchtune-style, everything built before the first token): spawn the trainers, rollout and
 reward actors (one process each, titled ``digenrl-<role>-<i>``; ``transport.actors = "inproc"`` keeps
-them in this process for tests), hand every actor the others' refs, join the torch.distributed
-weight lane when configured, restore the checkpoint when resuming, then let the
+them in this process for tests), hand every actor the others' refs, form the trainer group (several
+trainers: one torch.distributed group, a fresh rendezvous on every start or resume; see
+:mod:`digenrl.roles.trainer_group`), join the torch.distributed weight lane when configured,
+restore the checkpoint when resuming, then let the
 :class:`~digenrl.roles.coordinator.Coordinator` drive the schedule. ``schedule.name = "colocated"``
 runs the single-process reference loop (:func:`digenrl.recipes.colocated.train`) instead.
 
@@ -161,6 +163,12 @@ async def start_cluster(system: ActorSystem, cfg: Config, version: int = 0) -> C
     refs = {name: ref for (name, *_), ref in zip(plan, refs_list, strict=True)}
     devices = [Device(name, role) for name, role, _, _ in plan]
     cluster = Cluster(system, refs, devices)
+    trainers = cluster.names(Role.TRAINER)
+    group: dict[str, dict[str, Any]] = {}
+    if len(trainers) > 1:
+        # The lead opens the rendezvous on its own host (a free port there); everyone joins it in connect.
+        address = await refs[trainers[0]].open_group.call(len(trainers))
+        group = {n: {"rank": i, "world_size": len(trainers), "address": address} for i, n in enumerate(trainers)}
     dist: dict[str, dict[str, Any]] = {}
     if cfg.transport.weights == "torchdist":
         url = f"tcp://127.0.0.1:{_free_port()}"
@@ -170,7 +178,7 @@ async def start_cluster(system: ActorSystem, cfg: Config, version: int = 0) -> C
     for name, role, _, _ in plan:
         ref = refs[name]
         if role is Role.TRAINER:
-            calls.append(ref.connect.call(refs, version, dist.get(name)))
+            calls.append(ref.connect.call(refs, version, dist.get(name), group.get(name)))
         elif role is Role.ROLLOUT:
             calls.append(ref.connect.call(refs, dist.get(name)))
         else:
@@ -255,8 +263,10 @@ async def arun_disaggregated(cfg: Config, out_dir: str | Path | None = None, res
 
         async def checkpoint(step: int, state: dict[str, Any]) -> None:
             assert coordinator is not None
-            lead = cluster.refs[coordinator.trainers[0]]
-            await save_checkpoint(out / "checkpoints", step, state, lambda d: lead.save_state.call(str(d)),
+            # Every trainer enters save_state (FSDP gathers there); the lead writes the files.
+            group = [cluster.refs[n] for n in coordinator.group]
+            await save_checkpoint(out / "checkpoints", step, state,
+                                  lambda d: asyncio.gather(*(t.save_state.call(str(d)) for t in group)),
                                   keep=logc.keep_checkpoints)
 
         coordinator = Coordinator(
@@ -266,7 +276,7 @@ async def arun_disaggregated(cfg: Config, out_dir: str | Path | None = None, res
             is_dead=cluster.is_dead, weights_lane="torchdist" if transport.weights == "torchdist" else "zmq",
             bucket_mb=transport.bucket_mb, checkpoint=checkpoint if write_files else None,
             checkpoint_every=logc.checkpoint_every, on_step=step_done,
-            on_images=images if write_files else None, on_dispatch=on_dispatch, t0=t0)
+            on_images=images if write_files else None, on_dispatch=on_dispatch, t0=t0, shard=cfg.shard)
         try:
             if live is not None:
                 live.__enter__()

@@ -20,7 +20,7 @@ from digenrl.rl.loss import LossConfig, grpo_loss, parity_sums
 from digenrl.rl.rollout import TransitionBatch, VelocityFn
 from digenrl.rl.sde import gaussian_log_prob, transition_stats
 
-__all__ = ["packed_backward", "per_step_backward", "backward_rows", "parity_recompute"]
+__all__ = ["packed_backward", "per_step_backward", "sliced_backward", "backward_rows", "parity_recompute"]
 
 
 def backward_rows(
@@ -161,3 +161,49 @@ def parity_recompute(velocity: VelocityFn, batch: TransitionBatch, cond: Cond, m
         v = velocity(sub.x, sub.sigma, index_cond(cond, sub.sample))
         mean, std, _ = transition_stats(sub.x, v, sub.sigma, sub.sigma_next, sub.noise_level, sub.kind)
         return parity_sums(gaussian_log_prob(sub.x_next, mean, std, sub.kind), sub.log_prob)
+
+
+def sliced_backward(
+    velocity: VelocityFn,
+    batch: TransitionBatch,
+    cond: Cond,
+    advantages: torch.Tensor,
+    cfg: LossConfig,
+    *,
+    rank: int,
+    world: int,
+    rows_per_pass: int | None = None,
+    normalizer: float,
+    ref_velocity: VelocityFn | None = None,
+    parity: bool = True,
+) -> list[dict[str, float]]:
+    """TSP under sharded data parallelism (FSDP): rank ``rank``'s slice of ``batch``, in as many passes as every rank.
+
+    Under FSDP a forward/backward is a collective (parameters are all-gathered, gradients
+    reduce-scattered), so every rank must run the same number of passes. The rows are split into
+    ``world`` contiguous shares (sizes differ by at most one); every rank runs
+    ``ceil(ceil(n / world) / rows_per_pass)`` passes over its share. A rank with no row left for a
+    pass runs it on the batch's first row with zero weight: the collectives match, its gradient
+    contribution is exactly zero. Summed over ranks the gradient is :func:`packed_backward`'s.
+
+    Returns:
+        This rank's per-pass diagnostic sums (zero-weight passes left out).
+    """
+    n = len(batch)
+    if n == 0:  # the same on every rank (each sees the whole token): nobody runs a pass
+        return []
+    lo, hi = rank * n // world, (rank + 1) * n // world
+    largest = -(-n // world)
+    per = largest if rows_per_pass is None else rows_per_pass
+    if per < 1:
+        raise ValueError(f"rows_per_pass must be >= 1, got {rows_per_pass}")
+    out: list[dict[str, float]] = []
+    for p in range(-(-largest // per)):
+        a, b = lo + p * per, min(hi, lo + (p + 1) * per)
+        if a < b:
+            out.append(backward_rows(velocity, batch.rows(slice(a, b)), cond, advantages, cfg, normalizer=normalizer,
+                                     ref_velocity=ref_velocity, parity=parity))
+        else:
+            backward_rows(velocity, batch.rows(slice(0, 1)), cond, advantages, cfg, normalizer=float("inf"),
+                          ref_velocity=ref_velocity, parity=False)
+    return out

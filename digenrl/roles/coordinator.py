@@ -106,6 +106,9 @@ class Coordinator:
         on_dispatch: called with ``(device, token)`` as each token is sent (``token`` as the actor
             receives it: ``kind``, global ``batch`` and ``version``, fragments...), e.g. to watch
             an actor start a piece of work.
+        shard: the trainer group's sharding (``Config.shard``). Under ``fsdp`` the schedule sees the
+            lead trainer only and every TRAIN, OPTIM and PUBLISH token runs on the whole group (the
+            others, ``followers``, enter the same collectives); TAG is off (a forward is a collective).
     """
 
     def __init__(self, cfg: Config, schedule_name: str, devices: list[Device], refs: dict[str, Any],
@@ -115,7 +118,8 @@ class Coordinator:
                  bucket_mb: float = 64.0, checkpoint: Callable[[int, dict[str, Any]], Any] | None = None,
                  checkpoint_every: int = 1, on_step: Callable[[dict[str, Any]], None] | None = None,
                  on_images: Callable[[int, torch.Tensor], None] | None = None,
-                 on_dispatch: Callable[[str, dict[str, Any]], None] | None = None, t0: float | None = None) -> None:
+                 on_dispatch: Callable[[str, dict[str, Any]], None] | None = None, t0: float | None = None,
+                 shard: str = "none") -> None:
         self.cfg = cfg
         self.devices = list(devices)
         self.refs = refs
@@ -139,7 +143,14 @@ class Coordinator:
         opts = dict(options or {})
         if cfg.schedule.staleness:
             opts["staleness"] = cfg.schedule.staleness
-        self.schedule: Schedule = make_schedule(schedule_name, self.devices, self.workload, cost, **opts)
+        self.shard = shard
+        group = [d.name for d in self.devices if d.role is Role.TRAINER]
+        self.followers = group[1:] if shard == "fsdp" else []
+        if self.followers and opts.get("tag", True):
+            log.info("train.shard = 'fsdp': trainers do not generate (TAG off): a forward is a collective of the group")
+            opts["tag"] = False
+        scheduled = [d for d in self.devices if d.name not in self.followers]
+        self.schedule: Schedule = make_schedule(schedule_name, scheduled, self.workload, cost, **opts)
         self.staleness = int(getattr(getattr(self.schedule, "opt", None), "staleness", 0))
         self.role = {d.name: d.role for d in self.devices}
         self.alive = {d.name for d in self.devices}
@@ -157,6 +168,11 @@ class Coordinator:
     @property
     def trainers(self) -> list[str]:
         return [d.name for d in self.devices if d.role is Role.TRAINER and d.name in self.alive]
+
+    @property
+    def group(self) -> list[str]:
+        """The members of the trainer group that an OPTIM (and under FSDP every trainer token) runs on."""
+        return self.trainers
 
     @property
     def rollouts(self) -> list[str]:
@@ -242,7 +258,15 @@ class Coordinator:
             return result
         if kind is TokenKind.TRAIN:
             infos = await self._train_infos(book, token)
-            return await ref.train.call(w, infos)
+            if not self.followers:
+                return await ref.train.call(w, infos)
+            # FSDP: every member trains its slice of the token's rows; the lead reports the rows.
+            results = await asyncio.gather(*(self.refs[n].train.call(w, infos) for n in self.group))
+            for name, res in zip(self.group[1:], results[1:], strict=True):
+                self.spans.add(name, kind, w["batch"], token.fragment, w["version"], res["t0"], res["t1"],
+                               token.num_samples, False, token.id)
+            return {"sums": [s for res in results for s in res["sums"]], "rows": results[0]["rows"],
+                    "t0": results[0]["t0"], "t1": max(res["t1"] for res in results)}
         if kind is TokenKind.OPTIM:
             return await self._optim(token, w["batch"], book)
         if kind is TokenKind.PUBLISH:
@@ -265,7 +289,9 @@ class Coordinator:
             calls += [self.refs[r].receive_weights_dist.call(version, self.bucket_mb) for r in self.rollouts]
             out = (await asyncio.gather(*calls))[0]
         else:
-            out = await self.refs[lead].publish.call(version, self.rollouts)
+            calls = [self.refs[lead].publish.call(version, self.rollouts)]
+            calls += [self.refs[n].publish.call(version, []) for n in self.followers if n in self.alive]
+            out = (await asyncio.gather(*calls))[0]
             for name in out.get("failed", []):
                 # Supervision may not have reported it yet; the receiver's ActorDied is proof enough.
                 self._died(name, "died while receiving weights")
@@ -273,18 +299,18 @@ class Coordinator:
         return out
 
     async def _optim(self, token: Token, batch: int, book: _Book) -> dict[str, Any]:
-        group = [n for n in token.devices if n in self.alive]
+        group = self.group
         expected = self.workload.rows_per_batch
         covered = sum(e - s for spans in book.ledger.values() for s, e in spans)
         if covered != expected:
             raise StalenessViolation(f"batch {batch}: {covered} rows trained before its optimizer step, expected {expected}")
-        if len(group) > 1:
-            await asyncio.gather(*(self.refs[n].snapshot_grads.call() for n in group))
         due = self.checkpoint is not None and self.checkpoint_every and (
             (batch + 1) % self.checkpoint_every == 0 or batch + 1 == self.cfg.train.iterations)
-        # A stale run's checkpoint also holds the weights before this step: the next batch uses them.
-        keep = [bool(due and self.staleness and n == self.trainers[0]) for n in group]
-        results = await asyncio.gather(*(self.refs[n].optim.call(batch, book.kept_rows, group, k)
+        # A stale run's checkpoint also holds the weights before this step: the next batch uses them
+        # (kept by the lead; under FSDP by every member, each its shards, gathered when written).
+        keep = [bool(due and self.staleness and (n == group[0] or self.followers)) for n in group]
+        # Every member enters the step together: its gradient all-reduce is a collective of the group.
+        results = await asyncio.gather(*(self.refs[n].optim.call(batch, book.kept_rows, k)
                                          for n, k in zip(group, keep, strict=True)))
         for name, res in zip(group, results, strict=True):
             book.phase["t_train"] = book.phase.get("t_train", 0.0) + res["t1"] - res["t0"]

@@ -27,7 +27,7 @@ from digenrl.actors.base import Actor, ActorRef, endpoint
 from digenrl.config import Config, config_from_dict
 from digenrl.errors import ActorDied, RemoteError, StalenessViolation
 from digenrl.models import GeneratorModel
-from digenrl.policy import build_model
+from digenrl.policy import build_model, prepare_for_generation
 from digenrl.roles.fragments import FragmentData, FragmentEngine, probe_velocity
 from digenrl.roles.weights import WeightStore, unpack_buckets
 
@@ -105,6 +105,7 @@ class GenerationMixin:
                               image_format=r.image_format, on_error=r.on_error, penalty=r.penalty)
         model, _ = await self._compute(build_model, self.cfg)
         model.transformer.requires_grad_(False)
+        prepare_for_generation(model, self.cfg)
         self.engine = FragmentEngine(self.cfg, model, reward)
         return model
 

@@ -8,10 +8,14 @@ the storing trainer (``fetch_stored``), and runs one forward/backward per ``rows
 ``optim`` divides the accumulated gradients by the batch's total trained rows, so any split of a
 batch into tokens (GAP) gives the one-shot mean-loss gradient up to float rounding.
 
-With several trainers, ``optim`` is a two-phase all-reduce over the actor transport: the coordinator
-calls ``snapshot_grads`` on every member, then ``optim`` on every member, which sums the peers'
-snapshots and steps identically. The lead trainer publishes new versions (``publish``). With TAG a
-trainer also runs ROLLOUT/REWARD tokens, at its own (newest) version only.
+Several trainers form one torch.distributed group when they are spawned (``open_group`` on the lead,
+then ``connect`` with a rank on each; :mod:`digenrl.roles.trainer_group`). ``train.shard = "ddp"``:
+each trainer accumulates its own tokens' gradients and ``optim`` sums them with one bucketed
+all-reduce before the identical step on every member. ``"fsdp"``: FSDP2 shards the transformer; every
+member runs every TRAIN token on its slice of the rows (``sliced_backward``), and publication and
+checkpoints gather full tensors one at a time (all members enter those calls; the lead sends/writes).
+The lead trainer publishes new versions (``publish``). With TAG a trainer also runs ROLLOUT/REWARD
+tokens, at its own (newest) version only (not under FSDP, where a forward is a collective).
 """
 
 from __future__ import annotations
@@ -29,13 +33,16 @@ from digenrl.actors.base import Actor, endpoint
 from digenrl.config import config_from_dict
 from digenrl.errors import ActorDied, ConfigError, StalenessViolation
 from digenrl.models import cat_cond, reference
-from digenrl.models.lora import load_trainable, load_trainable_state_dict, save_trainable, trainable_state_dict
-from digenrl.policy import build_model
+from digenrl.models.lora import (load_trainable, load_trainable_state_dict, trainable_mode, trainable_parameters,
+                                 trainable_state_dict)
+from digenrl.policy import build_model, prepare_for_training
 from digenrl.rl.loss import LossConfig
 from digenrl.rl.rollout import TransitionBatch
-from digenrl.rl.tsp import packed_backward, parity_recompute, per_step_backward
+from digenrl.rl.tsp import packed_backward, parity_recompute, per_step_backward, sliced_backward
 from digenrl.roles.fragments import FragmentData, FragmentEngine, probe_velocity
 from digenrl.roles.rollout import GenerationMixin, limit_threads
+from digenrl.roles.trainer_group import (TrainerGroup, all_reduce_buckets, gathered_state_dict, group_backend,
+                                         open_store, shard_model)
 from digenrl.roles.weights import pack_buckets, state_digest
 
 __all__ = ["TrainerActor", "PREVIOUS_WEIGHTS"]
@@ -72,9 +79,12 @@ class TrainerActor(GenerationMixin, Actor):
         self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"digenrl-{self.name}")
         torch.manual_seed(cfg.log.seed)
         self.model, self.params = await self._compute(build_model, cfg)
+        await self._compute(prepare_for_training, self.model, cfg)
+        self.shard = cfg.shard
+        self.group: TrainerGroup | None = None
+        self._store: Any = None
+        self._new_optimizer()
         t = cfg.train
-        self.optimizer = torch.optim.AdamW(self.params, lr=t.lr, betas=(t.betas[0], t.betas[1]),
-                                           weight_decay=t.weight_decay, eps=t.eps)
         self.loss_cfg = LossConfig(clip_range=t.clip_range, kl_beta=t.kl_beta, kl_kind=t.kl)  # type: ignore[arg-type]
         r = cfg.reward
         reward = build_reward(r.weights, url=r.url or None, timeout=r.timeout, retries=r.retries,
@@ -84,12 +94,19 @@ class TrainerActor(GenerationMixin, Actor):
         self.version = 0
         self._previous: dict[str, torch.Tensor] | None = None  # version - 1's weights, for a stale checkpoint
         self._behaviour: dict[str, torch.Tensor] | None = None  # version - 1's weights, for train.check_parity
-        self._snapshot: list[torch.Tensor] = []
         self._lane: Any = None
+
+    def _new_optimizer(self) -> None:
+        t = self.cfg.train
+        self.params = trainable_parameters(self.model)
+        self.optimizer = torch.optim.AdamW(self.params, lr=t.lr, betas=(t.betas[0], t.betas[1]),
+                                           weight_decay=t.weight_decay, eps=t.eps)
 
     async def __cleanup__(self, exc: BaseException | None) -> None:
         if getattr(self, "_lane", None) is not None:
             self._lane.close()
+        if getattr(self, "group", None) is not None and exc is None:
+            self.group.close()  # (after a peer died a collective may hang: the process just exits)
         if hasattr(self, "pool"):
             self.pool.shutdown(wait=False)
 
@@ -99,15 +116,50 @@ class TrainerActor(GenerationMixin, Actor):
 
     # -- wiring --------------------------------------------------------------------------------
     @endpoint
-    async def connect(self, peers: dict[str, Any], version: int = 0, dist: dict[str, Any] | None = None) -> str:
-        """Learn the peers' refs and the starting version (and join the torch.distributed lane)."""
+    async def open_group(self, world_size: int) -> str:
+        """Lead trainer: open the trainer group's rendezvous (a TCPStore on a free port); returns ``host:port``."""
+        host = self._host()
+        self._store = await self._compute(open_store, host, world_size, self.cfg.train.group_timeout)
+        return f"{host}:{self._store.port}"
+
+    def _host(self) -> str:
+        # The address peers reach this trainer's host by: its actor endpoint's, when that is TCP.
+        from urllib.parse import urlsplit
+
+        address = self.ref.address
+        host = urlsplit(address).hostname if address.startswith("tcp://") else None
+        return host if host and host not in ("0.0.0.0", "*") else "127.0.0.1"
+
+    @endpoint
+    async def connect(self, peers: dict[str, Any], version: int = 0, dist: dict[str, Any] | None = None,
+                      group: dict[str, Any] | None = None) -> str:
+        """Learn the peers' refs and the starting version; join the trainer group and the torch.distributed lane.
+
+        ``group``: ``{"rank", "world_size", "address"}`` (all members call ``connect`` together: joining
+        waits for every rank). Under ``fsdp`` the model is sharded and the optimizer rebuilt here.
+        """
         self.peers = dict(peers)
         self.version = version
+        if group is not None:
+            await self._compute(self._join, group)
         if dist is not None:
             from digenrl.roles.weights import DistLane
 
             self._lane = await self._compute(lambda: DistLane(dist["rank"], dist["world_size"], dist["init_method"]))
         return self.name
+
+    def _join(self, group: dict[str, Any]) -> None:
+        t = self.cfg.train
+        self.group = TrainerGroup(group["rank"], group["world_size"], group["address"],
+                                  group_backend(self.cfg.model.device), t.group_timeout,
+                                  store=self._store if group["rank"] == 0 else None)
+        if self.shard == "fsdp":
+            shard_model(self.model, t.fp32_master and self.cfg.model.dtype != "float32")
+            self._new_optimizer()
+
+    @property
+    def lead(self) -> bool:
+        return self.group is None or self.group.lead
 
     # -- fragment store ------------------------------------------------------------------------
     @endpoint(control=True)
@@ -176,11 +228,20 @@ class TrainerActor(GenerationMixin, Actor):
             advs.append(torch.tensor(info["adv"], dtype=torch.float32))
             offset += frag.num_samples
         if not parts:
-            return [], rows
+            return [], rows if self.lead else []
         batch = TransitionBatch.cat(parts, offsets)
         cond, adv = cat_cond(conds), torch.cat(advs)
         ref = self._ref_velocity if self.loss_cfg.kl_beta > 0 else None
         on_policy = batch.policy_version == self.version  # then the training forward also measures parity
+        if self.shard == "fsdp":
+            assert self.group is not None
+            sums = sliced_backward(self.model.velocity, batch, cond, adv, self.loss_cfg, rank=self.group.rank,
+                                   world=self.group.world_size, rows_per_pass=self.cfg.train.rows_per_pass or None,
+                                   normalizer=1.0, ref_velocity=ref, parity=on_policy)
+            if not on_policy and self.cfg.train.check_parity:
+                parity = self._behaviour_parity(batch, cond)  # (a forward: every member runs it)
+                sums += [parity] if self.group.lead else []
+            return sums, rows if self.group.lead else []  # the lead reports the token's rows, once
         if token.get("packed", True):
             per = self.cfg.train.rows_per_pass or None
             sums = packed_backward(self.model.velocity, batch, cond, adv, self.loss_cfg, rows_per_pass=per,
@@ -209,19 +270,10 @@ class TrainerActor(GenerationMixin, Actor):
             return self.model.velocity(x, sigma, cond)
 
     @endpoint
-    async def snapshot_grads(self) -> None:
-        """Phase 1 of a multi-trainer optimizer step: freeze this trainer's accumulated gradients."""
-        self._snapshot = [p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p) for p in self.params]
-
-    @endpoint(control=True)
-    async def grad_snapshot(self) -> list[torch.Tensor]:
-        """This trainer's frozen gradients (phase 1 output), for its peers."""
-        return self._snapshot
-
-    @endpoint
-    async def optim(self, batch: int, total_rows: int, group: list[str], keep_previous: bool = False) -> dict[str, Any]:
+    async def optim(self, batch: int, total_rows: int, keep_previous: bool = False) -> dict[str, Any]:
         """The optimizer step of ``batch``: sum the group's gradients, divide by ``total_rows``, clip, step.
 
+        Every member of the trainer group is called (they enter the gradient all-reduce together).
         ``keep_previous``: keep the weights from before the step, for the checkpoint that follows (a
         one-step-stale run resumes generating its next batch with them).
 
@@ -232,9 +284,7 @@ class TrainerActor(GenerationMixin, Actor):
         t0 = time.time()
         if batch != self.version:
             raise StalenessViolation(f"{self.name} at version {self.version} asked to step batch {batch}")
-        peers = [n for n in group if n != self.name]
-        others = [await self.peers[n].grad_snapshot.call() for n in peers]
-        grad_norm = await self._compute(self._optim_compute, total_rows, others, keep_previous)
+        grad_norm = await self._compute(self._optim_compute, total_rows, keep_previous)
         self.version = batch + 1
         for key in [k for k in self.store if k[0] <= batch]:
             del self.store[key]
@@ -242,19 +292,26 @@ class TrainerActor(GenerationMixin, Actor):
             del self.engine.fragments[key]
         return {"grad_norm": grad_norm, "version": self.version, "t0": t0, "t1": time.time()}
 
-    def _optim_compute(self, total_rows: int, others: list[list[torch.Tensor]], keep_previous: bool) -> float:
+    def _optim_compute(self, total_rows: int, keep_previous: bool) -> float:
         self._previous = trainable_state_dict(self.model) if keep_previous else None
         keep_behaviour = self.cfg.train.check_parity and self.staleness > 0
         self._behaviour = (self._previous or trainable_state_dict(self.model)) if keep_behaviour else None
         if total_rows == 0:  # every group had identical rewards: nothing to learn from (as colocated)
             self.optimizer.zero_grad(set_to_none=True)
             return 0.0
-        for i, p in enumerate(self.params):
-            g = p.grad if p.grad is not None else torch.zeros_like(p)
-            for other in others:
-                g = g + other[i]
-            p.grad = g / total_rows
+        for p in self.params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        divisor = float(total_rows)
+        if self.shard == "ddp":
+            all_reduce_buckets([p.grad for p in self.params], self.bucket_mb)
+        elif self.shard == "fsdp" and self.group is not None:  # reduce-scattered in backward, as a mean
+            divisor /= self.group.world_size
+        for p in self.params:
+            p.grad.div_(divisor)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.train.max_grad_norm)
+        if isinstance(grad_norm, torch.distributed.tensor.DTensor):
+            grad_norm = grad_norm.full_tensor()
         if not torch.isfinite(grad_norm):
             raise FloatingPointError(f"gradient norm is {float(grad_norm)}; refusing the optimizer step")
         self.optimizer.step()
@@ -265,27 +322,36 @@ class TrainerActor(GenerationMixin, Actor):
     def _weights(self, version: int) -> dict[str, torch.Tensor]:
         """The trainable weights of ``version``: the current ones, or the kept previous ones.
 
+        Under FSDP these are gathered, tensor by tensor (every member must call this together); only
+        the lead keeps them (in host memory), the others get ``{}``.
+
         Raises:
             StalenessViolation: this trainer does not hold ``version``.
         """
         if version == self.version:
-            return trainable_state_dict(self.model)
-        if version == self.version - 1 and self._previous is not None:
-            return self._previous
-        raise StalenessViolation(f"{self.name} holds version {self.version}, asked to publish {version}")
+            sd = trainable_state_dict(self.model, copy_tensors=self.shard != "fsdp")
+        elif version == self.version - 1 and self._previous is not None:
+            sd = self._previous
+        else:
+            raise StalenessViolation(f"{self.name} holds version {self.version}, asked to publish {version}")
+        return gathered_state_dict(sd, keep=self.lead) if self.shard == "fsdp" else sd
 
     @endpoint
     async def publish(self, version: int, rollouts: list[str]) -> dict[str, Any]:
         """Send this trainer's weights, stamped ``version``, to ``rollouts`` (zmq lane).
 
-        ``version`` is the trainer's, or the one before right after a one-step-stale resume.
+        ``version`` is the trainer's, or the one before right after a one-step-stale resume. Under
+        FSDP every member is called (the others only help gather, with no ``rollouts``).
         Returns the span, the bytes sent per receiver and ``failed``: receivers found dead.
 
         Raises:
             StalenessViolation: this trainer does not hold ``version``.
         """
         t0 = time.time()
-        layout, buckets = pack_buckets(self._weights(version), self.bucket_mb)
+        sd = await self._compute(self._weights, version) if self.shard == "fsdp" else self._weights(version)
+        if not rollouts:
+            return {"t0": t0, "t1": time.time(), "bytes": 0, "failed": []}
+        layout, buckets = pack_buckets(sd, self.bucket_mb)
         results = await asyncio.gather(*(self.peers[r].receive_weights.call(version, layout, buckets) for r in rollouts),
                                        return_exceptions=True)
         # A receiver that died is the coordinator's business (it re-plans); any other failure is a bug.
@@ -306,12 +372,24 @@ class TrainerActor(GenerationMixin, Actor):
 
     @endpoint(control=True)
     async def weights_info(self) -> dict[str, Any]:
-        """The version held and the digest of its trainable weights."""
-        return {"version": self.version, "digest": state_digest(trainable_state_dict(self.model, copy_tensors=False))}
+        """The version held and the digest of its trainable weights (under FSDP: of this member's shards)."""
+        return {"version": self.version, "digest": self._digest()}
+
+    def _digest(self) -> str:
+        from torch.distributed.tensor import DTensor
+
+        sd = trainable_state_dict(self.model, copy_tensors=False)
+        return state_digest({k: v.to_local() if isinstance(v, DTensor) else v for k, v in sd.items()})
 
     @endpoint
     async def probe_velocity(self, seed: int = 0) -> torch.Tensor:
-        """The velocity at this trainer's weights on the rollout actors' probe input."""
+        """The velocity at this trainer's weights on the rollout actors' probe input.
+
+        Raises:
+            ConfigError: under FSDP (a forward there is a collective of the whole group).
+        """
+        if self.shard == "fsdp":
+            raise ConfigError("probe_velocity: not available under train.shard = 'fsdp'; probe a rollout actor")
         return await self._compute(probe_velocity, self.engine, seed)
 
     # -- TAG: rollout / reward / take_fragment endpoints come from GenerationMixin -------------------
@@ -321,24 +399,46 @@ class TrainerActor(GenerationMixin, Actor):
     async def save_state(self, directory: str) -> list[str]:
         """Write trainable weights (safetensors) and optimizer state into ``directory``; returns the files.
 
+        Every member of the trainer group is called; the lead writes (under FSDP the others help
+        gather weights and optimizer state, under DDP they hold the same and return at once).
         After an optimizer step that kept the previous weights, they go to ``previous.safetensors``.
         """
+        if not self.lead and self.shard != "fsdp":
+            return []
         return await self._compute(self._save, Path(directory))
 
     def _save(self, d: Path) -> list[str]:
         from safetensors.torch import save_file
 
-        save_trainable(self.model, d / "trainable.safetensors")
-        torch.save(self.optimizer.state_dict(), d / "optimizer.pt")
+        meta = {"digenrl_mode": str(trainable_mode(self.model)), "model": str(self.model.name)}
+        weights = self._weights(self.version)
+        optim = self._optimizer_state()
+        previous = self._weights(self.version - 1) if self._previous is not None else None
+        if not self.lead:
+            return []
+        save_file({k: v.contiguous() for k, v in weights.items()}, str(d / "trainable.safetensors"), metadata=meta)
+        torch.save(optim, d / "optimizer.pt")
         files = [str(d / "trainable.safetensors"), str(d / "optimizer.pt")]
-        if self._previous is not None:
-            save_file({k: v.contiguous() for k, v in self._previous.items()}, str(d / PREVIOUS_WEIGHTS))
+        if previous is not None:
+            save_file({k: v.contiguous() for k, v in previous.items()}, str(d / PREVIOUS_WEIGHTS))
             files.append(str(d / PREVIOUS_WEIGHTS))
         return files
 
+    def _optimizer_state(self) -> dict[str, Any]:
+        if self.shard != "fsdp":
+            return self.optimizer.state_dict()
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        # Gathered to the lead's host memory (keyed by parameter name), as one full-model optimizer.
+        return get_optimizer_state_dict(self.model.transformer, self.optimizer,
+                                        options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
     @endpoint
     async def load_state(self, directory: str, version: int) -> str:
-        """Restore weights and optimizer from a checkpoint directory; returns the weights' digest."""
+        """Restore weights and optimizer from a checkpoint directory; returns the weights' digest.
+
+        Every member of the trainer group loads the same checkpoint (under FSDP, its shards of it).
+        """
         return await self._compute(self._load, Path(directory), version)
 
     def _load(self, d: Path, version: int) -> str:
@@ -346,7 +446,14 @@ class TrainerActor(GenerationMixin, Actor):
 
         load_trainable(self.model, d / "trainable.safetensors")
         # Local file written by this program (never network data); weights_only refuses arbitrary objects.
-        self.optimizer.load_state_dict(torch.load(d / "optimizer.pt", weights_only=True))
+        optim = torch.load(d / "optimizer.pt", weights_only=True)
+        if self.shard == "fsdp":
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+            set_optimizer_state_dict(self.model.transformer, self.optimizer, optim,
+                                     options=StateDictOptions(full_state_dict=True))
+        else:
+            self.optimizer.load_state_dict(optim)
         self.version = version
         self._previous = None
         if (d / PREVIOUS_WEIGHTS).is_file():
@@ -358,4 +465,4 @@ class TrainerActor(GenerationMixin, Actor):
             if previous.keys() != own.keys() or any(previous[k].shape != own[k].shape for k in own):
                 raise ConfigError(f"{d / PREVIOUS_WEIGHTS}: its tensors do not match this model's trainable weights")
             self._previous = previous
-        return state_digest(trainable_state_dict(self.model, copy_tensors=False))
+        return self._digest()

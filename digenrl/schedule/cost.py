@@ -4,7 +4,8 @@
 ``Device.speed``). It is what a schedule uses when no calibrated ``CostEstimate`` is given; the
 simulator's cost model replaces it. ``SpeedTracker`` turns ``TokenDone.observed_seconds`` into a
 per-device correction factor, so a device that runs slower than predicted gets smaller tokens and
-counts for less capacity in TAG decisions.
+counts for less capacity in TAG decisions. :func:`ring_allreduce_seconds` is the gradient all-reduce
+of a multi-trainer optimizer step (NCCL's ring), which the simulator's cost model charges.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from dataclasses import dataclass
 
 from digenrl.schedule.base import CostEstimate, Device, Fragment, Token, TokenKind
 
-__all__ = ["UniformCost", "SpeedTracker"]
+__all__ = ["UniformCost", "SpeedTracker", "ring_allreduce_seconds"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,6 +57,25 @@ class UniformCost:
         else:
             base = self.switch
         return base / device.speed
+
+
+def ring_allreduce_seconds(nbytes: float, members: int, bytes_per_s: float, latency_s: float,
+                           bucket_bytes: float = 64 * 2**20) -> float:
+    """Seconds of a ring all-reduce of ``nbytes`` over ``members`` ranks, sent in buckets of ``bucket_bytes``.
+
+    A ring all-reduce is a reduce-scatter then an all-gather, ``2 (n - 1)`` steps; each rank sends
+    ``nbytes / n`` per step, so ``2 (n - 1) / n * nbytes`` in all, over the slowest link of the ring;
+    every step of every bucket also pays the per-message latency::
+
+        2 (n - 1) / n * nbytes / bandwidth  +  buckets * 2 (n - 1) * latency
+
+    One member: no traffic, 0 s.
+    """
+    if members <= 1 or nbytes <= 0:
+        return 0.0
+    steps = 2 * (members - 1)
+    buckets = -(-nbytes // bucket_bytes)
+    return steps / members * nbytes / bytes_per_s + buckets * steps * latency_s
 
 
 _PROBE_FRAGMENT = Fragment(batch=0, index=0, prompt_start=0, prompt_end=1, member_start=0, member_end=1, group_size=1)

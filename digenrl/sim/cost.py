@@ -14,7 +14,11 @@ Per token (``F`` = one transformer pass of one sample, ``profiles.ModelProfile.f
 - TRAIN: rows x cfg_train x ``TRAIN_PASSES`` x F; TSP-packed rows save ``tsp_train_saving``. A colocated
   (HYBRID) trainer also recomputes the old log-probs (``old_logprob_passes`` forwards per row).
   Trajectory tensors (x_i, x_{i+1}) come over the network on a dedicated trainer.
-- OPTIM: AdamW's memory traffic over HBM, plus a ring all-reduce of the gradients over the group.
+- OPTIM: AdamW's memory traffic over HBM, plus a ring all-reduce of the gradients over the trainer
+  group (``schedule.cost.ring_allreduce_seconds``: ``2(n-1)/n`` of the gradient bytes over the
+  slowest link, NVLink in a node and the NIC across, plus ``2(n-1)`` latencies per 64 MiB bucket;
+  what the trainer group's bucketed all-reduce does over NCCL). Full fine-tuning under FSDP moves
+  the same gradient bytes as a reduce-scatter; its parameter all-gathers are not charged here.
 - PUBLISH: the trainable weights (LoRA adapter or full model, bf16) at the measured NCCL
   broadcast efficiency.
 - SWITCH (colocated): the rollout engine's weights and the trainer's parameter shard over PCIe.
@@ -28,6 +32,7 @@ from dataclasses import dataclass, field
 
 from digenrl.errors import ConfigError
 from digenrl.schedule.base import Device, Role, Token, TokenKind
+from digenrl.schedule.cost import ring_allreduce_seconds
 from digenrl.sim.devices import GPUS_PER_NODE, DeviceSpec
 from digenrl.sim.profiles import BF16, ModelProfile
 
@@ -75,6 +80,11 @@ class CostParams:
             loop that samples and trains with the same weights in one process (Flow-GRPO's own).
         lend_switch_seconds: measured (to helper, back to trainer) seconds of lending a trainer to
             rollout, replacing the first-principles onload/offload (veRL-Omni PR #575: 9.1 s / 3.3 s).
+        collective_latency_s: latency of one step of a ring collective (one NCCL message between
+            neighbours): about 5 us over NVLink and 10 us over InfiniBand in nccl-tests' small
+            message all-reduce times; 10 us, the pessimistic one, for every group.
+        grad_bytes: bytes per trainable parameter in the gradient all-reduce; 2 (bf16) as
+            veRL-Omni's FSDP reduces (``train.fp32_master`` runs reduce fp32: 4).
         mfu_reward: utilisation of the reward model's forwards (``None``: ``mfu_rollout``). Fitted to
             veRL-Omni's async-reward row: moving Qwen3-VL-8B scoring off the 4 training GPUs took the
             step from 420 s to 360 s (``docs/algo/performance.md``), so scoring 512 images costs about
@@ -89,6 +99,8 @@ class CostParams:
     optimizer_bytes_per_param: float = 30.0
     pass_latency_s: float = 0.005
     old_logprob_passes: float = 1.0
+    collective_latency_s: float = 10e-6
+    grad_bytes: float = BF16
     mfu_reward: float | None = None
     trainer_old_logprob_passes: float = 0.0
     phase_switches: bool = True
@@ -241,9 +253,14 @@ class CostModel:
         n = len(group)
         trainable = self.profile.trainable_params
         update = trainable * self.params.optimizer_bytes_per_param / n / spec.hbm_bytes_per_s
-        grads = BF16 * trainable
-        allreduce = 2.0 * (n - 1) / n * grads / self._group_bytes_per_s(group) if n > 1 else 0.0
-        return update + allreduce
+        return update + self.allreduce_seconds(group)
+
+    def allreduce_seconds(self, group: tuple[str, ...]) -> float:
+        """The gradient all-reduce of one optimizer step over the trainer group ``group``."""
+        if len(group) < 2:
+            return 0.0
+        return ring_allreduce_seconds(self.params.grad_bytes * self.profile.trainable_params, len(group),
+                                      self._group_bytes_per_s(group), self.params.collective_latency_s)
 
     def publish_seconds(self, source: str) -> float:
         """Broadcast of the trainable weights from ``source`` to the rollout side."""

@@ -143,3 +143,26 @@ def test_colocated_pays_the_old_logprob_recompute_and_reward_matches_the_async_d
     reward = cost.seconds(Token(0, TokenKind.REWARD, devices[0].name, 0, num_samples=per_gpu), devices[0])
     decode = per_gpu * cost.profile.decode_flops / (cost.specs[devices[0].name].peak_bf16_flops * params.mfu_rollout)
     assert reward - decode - lat == pytest.approx(420.0 - 360.0, rel=1e-6)
+
+
+def test_ring_allreduce_cost_matches_a_hand_computation() -> None:
+    from digenrl.schedule.cost import ring_allreduce_seconds
+
+    # 100 MB over 8 ranks at 450 GB/s (NVLink), 64 MiB buckets -> 2 buckets, 14 ring steps each.
+    hand = 2 * 7 / 8 * 100e6 / 450e9 + 2 * 14 * 10e-6
+    assert ring_allreduce_seconds(100e6, 8, 450e9, 10e-6) == pytest.approx(hand, rel=1e-12)
+    assert ring_allreduce_seconds(100e6, 1, 450e9, 10e-6) == 0.0
+    # In the cost model: a multi-node trainer group (qwen-64: trainers across nodes) pays the NIC.
+    sc = scenario("scale-128")
+    devices, cost = placement(sc, colocated=False)
+    trainers = tuple(d.name for d in devices if d.role is Role.TRAINER)
+    n = len(trainers)
+    nbytes = cost.params.grad_bytes * cost.profile.trainable_params
+    bw = min(cost.specs[t].net_bytes_per_s for t in trainers) if n > 8 else min(
+        cost.specs[t].intra_node_bytes_per_s for t in trainers)
+    buckets = math.ceil(nbytes / 2**26)
+    expected = 2 * (n - 1) / n * nbytes / bw + buckets * 2 * (n - 1) * cost.params.collective_latency_s
+    assert n > 1 and cost.allreduce_seconds(trainers) == pytest.approx(expected, rel=1e-9)
+    optim = cost.seconds(Token(0, TokenKind.OPTIM, trainers[0], 0, group=trainers), devices[0])
+    alone = cost.seconds(Token(0, TokenKind.OPTIM, trainers[0], 0, group=trainers[:1]), devices[0])
+    assert optim - alone / n == pytest.approx(expected, rel=1e-9)

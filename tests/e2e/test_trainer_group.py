@@ -1,0 +1,121 @@
+"""Several trainer processes as one torch.distributed group (gloo here, NCCL on GPUs: the same code).
+
+Two trainers on the same batch must make the same update as one (up to fp32 summation order): LoRA
+through the bucketed all-reduce (``ddp``), full fine-tuning through FSDP2 (``fsdp``). The weights are
+compared in the checkpoints, which the group writes through its gathering path.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from digenrl.config import Config, load_config
+from digenrl.models.lora import trainable_state_dict
+from digenrl.policy import build_model
+from digenrl.recipes.checkpoint import find_checkpoint, load_state
+from digenrl.recipes.disaggregated import arun_disaggregated
+from digenrl.roles.coordinator import RunStopped
+
+CONFIG = Path(__file__).resolve().parents[2] / "configs" / "tiny-qwenimage.toml"
+
+
+def _load(*overrides: str) -> Config:
+    # On-policy GAP (no TAG, so both trainers only train) over a small batch: 4 prompts x 8 samples.
+    small = ["schedule.name=gap", "rollout.prompts_per_batch=4", "schedule.fragment_groups=1",
+             "schedule.train_pack=8", "log.image_every=0", "log.trace=false", "log.gantt=false"]
+    return load_config(CONFIG, [*small, *overrides])
+
+
+def _pid_of(title: str) -> int | None:
+    # Only this test's own actor processes: other runs on the machine use the same titles.
+    for p in psutil.Process().children(recursive=True):
+        try:
+            if any(title in part for part in p.cmdline()):
+                return p.pid
+        except psutil.NoSuchProcess:
+            continue
+    return None
+
+
+def _weights(out: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(find_checkpoint(out) / "trainable.safetensors"))
+
+
+def _assert_same_update(one: dict[str, torch.Tensor], two: dict[str, torch.Tensor], start: dict[str, torch.Tensor]
+                        ) -> None:
+    assert one.keys() == two.keys() == start.keys()
+    moved = max(float((one[k] - start[k]).abs().max()) for k in one)
+    assert moved > 1e-4, "the step must change the weights, or the comparison proves nothing"
+    for k in one:
+        torch.testing.assert_close(two[k], one[k], rtol=1e-4, atol=1e-6, msg=k)
+
+
+async def _step_once(tmp_path: Path, name: str, *overrides: str) -> tuple[dict[str, torch.Tensor], list[dict]]:
+    history = await arun_disaggregated(_load("train.iterations=1", *overrides), tmp_path / name)
+    return _weights(tmp_path / name), history
+
+
+def _initial(*overrides: str) -> dict[str, torch.Tensor]:
+    model, _ = build_model(_load(*overrides))
+    return trainable_state_dict(model)
+
+
+async def test_two_lora_trainers_make_the_update_of_one(tmp_path: Path) -> None:
+    """DDP path: each trainer trains its share of the rows, one bucketed all-reduce sums the gradients."""
+    one, h1 = await _step_once(tmp_path, "one", "transport.actors=inproc")  # (one trainer: no group needed)
+    two, h2 = await _step_once(tmp_path, "two", "placement.trainer=2")
+    assert h1[0]["reward_mean"] == h2[0]["reward_mean"]  # the same samples
+    assert h2[0]["rows_trained"] == h1[0]["rows_trained"] > 0
+    assert h2[0]["grad_norm"] == pytest.approx(h1[0]["grad_norm"], rel=1e-4)
+    _assert_same_update(one, two, _initial())
+
+
+@pytest.mark.slow
+async def test_two_fsdp_trainers_make_the_full_finetune_update_of_one(tmp_path: Path) -> None:
+    """FSDP2 path: the transformer sharded over two trainers, every token sliced over both, gathered checkpoint."""
+    full = ("model.finetune=full", "train.lr=1e-4", "train.rows_per_pass=6")
+    one, h1 = await _step_once(tmp_path, "one", *full, "transport.actors=inproc")
+    two, h2 = await _step_once(tmp_path, "two", *full, "placement.trainer=2")
+    assert load_config(CONFIG, ["schedule.name=gap", "model.finetune=full", "placement.trainer=2"]).shard == "fsdp"
+    assert h2[0]["grad_norm"] == pytest.approx(h1[0]["grad_norm"], rel=1e-4)
+    _assert_same_update(one, two, _initial(*full))
+
+
+@pytest.mark.slow
+async def test_two_trainers_learn_like_one(tmp_path: Path) -> None:
+    common = ("train.iterations=6", "train.lr=3e-3", "rollout.prompts_per_batch=4")
+    one = await arun_disaggregated(_load(*common), tmp_path / "one")
+    two = await arun_disaggregated(_load(*common, "placement.trainer=2"), tmp_path / "two")
+    r1, r2 = [m["reward_mean"] for m in one], [m["reward_mean"] for m in two]
+    assert r2[-1] - r2[0] == pytest.approx(r1[-1] - r1[0], abs=0.02)
+    assert r2[-1] > r2[0]
+
+
+@pytest.mark.slow
+async def test_killed_group_member_stops_the_run_and_resume_reforms_the_group(tmp_path: Path) -> None:
+    cfg = _load("train.iterations=3", "placement.trainer=2", "log.checkpoint_every=1")
+    killed: list[int] = []
+
+    def on_dispatch(device: str, token: dict) -> None:
+        # Batch 2 trains only after version 2 exists and was checkpointed (on-policy schedule).
+        if token["kind"] == "train" and token["batch"] == 2 and not killed:
+            pid = _pid_of("digenrl-trainer-1")
+            if pid is not None:
+                killed.append(pid)
+                os.kill(pid, signal.SIGKILL)
+
+    with pytest.raises(RunStopped, match="trainer trainer-1 died.*resume with --resume"):
+        await arun_disaggregated(cfg, tmp_path, on_dispatch=on_dispatch)
+    assert killed
+    ckpt = find_checkpoint(tmp_path)
+    assert ckpt.name == "step-000002" and load_state(ckpt)["version"] == 2
+    history = await arun_disaggregated(cfg, tmp_path, resume=tmp_path)  # two fresh trainers, a fresh group
+    assert [m["step"] for m in history] == [0, 1, 2]
+    assert history[2]["grad_norm"] > 0
