@@ -30,9 +30,13 @@ def _load(*overrides: str) -> Config:
 
 
 def _pid_of(title: str) -> int | None:
-    for p in psutil.process_iter(["pid", "cmdline"]):
-        if any(title in part for part in p.info["cmdline"] or []):
-            return p.info["pid"]
+    # Only this test's own actor processes: other runs on the machine use the same titles.
+    for p in psutil.Process().children(recursive=True):
+        try:
+            if any(title in part for part in p.cmdline()):
+                return p.pid
+        except psutil.NoSuchProcess:
+            continue
     return None
 
 
