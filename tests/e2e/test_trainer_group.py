@@ -69,7 +69,7 @@ def _initial(*overrides: str) -> dict[str, torch.Tensor]:
 
 async def test_two_lora_trainers_make_the_update_of_one(tmp_path: Path) -> None:
     """DDP path: each trainer trains its share of the rows, one bucketed all-reduce sums the gradients."""
-    one, h1 = await _step_once(tmp_path, "one", "transport.actors=inproc")  # (one trainer: no group needed)
+    one, h1 = await _step_once(tmp_path, "one")
     two, h2 = await _step_once(tmp_path, "two", "placement.trainer=2")
     assert h1[0]["reward_mean"] == h2[0]["reward_mean"]  # the same samples
     assert h2[0]["rows_trained"] == h1[0]["rows_trained"] > 0
@@ -81,7 +81,7 @@ async def test_two_lora_trainers_make_the_update_of_one(tmp_path: Path) -> None:
 async def test_two_fsdp_trainers_make_the_full_finetune_update_of_one(tmp_path: Path) -> None:
     """FSDP2 path: the transformer sharded over two trainers, every token sliced over both, gathered checkpoint."""
     full = ("model.finetune=full", "train.lr=1e-4", "train.rows_per_pass=6")
-    one, h1 = await _step_once(tmp_path, "one", *full, "transport.actors=inproc")
+    one, h1 = await _step_once(tmp_path, "one", *full)
     two, h2 = await _step_once(tmp_path, "two", *full, "placement.trainer=2")
     assert load_config(CONFIG, ["schedule.name=gap", "model.finetune=full", "placement.trainer=2"]).shard == "fsdp"
     assert h2[0]["grad_norm"] == pytest.approx(h1[0]["grad_norm"], rel=1e-4)
