@@ -28,7 +28,10 @@ CONFIG = Path(__file__).resolve().parents[2] / "configs" / "tiny-qwenimage.toml"
 
 def _load(*overrides: str) -> Config:
     # On-policy GAP (no TAG, so both trainers only train) over a small batch: 4 prompts x 8 samples.
-    small = ["schedule.name=gap", "rollout.prompts_per_batch=4", "schedule.fragment_groups=1",
+    # Adam's eps at 1e-6: its first step is ~lr * sign(g), which turns the fp32 rounding of a gradient
+    # that cancels to ~1e-9 (summed in another order by two trainers) into a difference of ~lr; with
+    # eps above such gradients the update follows the gradient and the comparison stays meaningful.
+    small = ["schedule.name=gap", "rollout.prompts_per_batch=4", "schedule.fragment_groups=1", "train.eps=1e-6",
              "schedule.train_pack=8", "log.image_every=0", "log.trace=false", "log.gantt=false"]
     return load_config(CONFIG, [*small, *overrides])
 
