@@ -24,7 +24,16 @@ class DigenrlError(Exception):
 
 
 class ProtocolError(DigenrlError):
-    """A message on the wire is malformed, truncated, oversized or of another protocol version."""
+    """A message on the wire is malformed, truncated, oversized or of another protocol version.
+
+    ``reason`` is a short word for counting drops by kind: ``garbage`` (not a digenrl envelope),
+    ``version``, ``oversized``, ``header`` (a valid envelope with a bad actor-protocol header), or
+    ``malformed`` when nothing more specific applies.
+    """
+
+    def __init__(self, message: str, reason: str = "malformed") -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 class TransportClosed(DigenrlError):

@@ -11,6 +11,7 @@ spawning, supervision and shutdown, :mod:`digenrl.actors.worker` for ``digenrl w
 
 from __future__ import annotations
 
+from digenrl.actors._context import dropped_counts
 from digenrl.actors.allowlist import AllowList, register_actor_class
 from digenrl.actors.base import Actor, ActorRef, BoundEndpoint, Endpoint, broadcast, endpoint
 from digenrl.actors.system import ActorSystem, Worker
@@ -28,6 +29,7 @@ __all__ = [
     "RemoteError",
     "Worker",
     "broadcast",
+    "dropped_counts",
     "endpoint",
     "register_actor_class",
 ]

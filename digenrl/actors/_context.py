@@ -14,7 +14,7 @@ import contextvars
 from collections.abc import Callable
 from typing import Any, Protocol
 
-__all__ = ["NodeLink", "current_node"]
+__all__ = ["NodeLink", "current_node", "dropped_counts"]
 
 
 class NodeLink(Protocol):
@@ -45,3 +45,17 @@ class NodeLink(Protocol):
 
 #: The node that refs created or decoded in this context send through.
 current_node: contextvars.ContextVar[NodeLink | None] = contextvars.ContextVar("digenrl_node", default=None)
+
+
+def dropped_counts() -> dict[str, dict[str, int]]:
+    """The current node's dropped-input counters, keyed by its address (``{}`` outside a node).
+
+    ``{address: {"dropped": n, "dropped/<reason>": k, ...}}``, cumulative: an actor returns them
+    with its results so a driver can add up every endpoint's drops without a call of its own
+    (several actors of one node report the same address, so nothing counts twice).
+    """
+    node = current_node.get()
+    stats = getattr(getattr(node, "transport", None), "stats", None)
+    if node is None or stats is None:
+        return {}
+    return {node.address: {k: v for k, v in stats.items() if k.startswith("dropped")}}

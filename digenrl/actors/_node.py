@@ -5,7 +5,8 @@ actor process). Two background tasks serve it:
 
 * the **router** reads the transport and dispatches: calls to the hosted actors' mailboxes,
   replies to pending futures, pings answered at once (never queued behind actor work), bad input
-  dropped with a rate-limited warning (or answered with an error when it is a call we can name);
+  dropped and counted in the transport's ``drops`` (rate-limited warnings per peer; a call we can
+  name is also answered with an error);
 * **senders**, one short-lived task per destination with messages queued, drain that
   destination's queue in order, so a ``tell`` followed by a ``call`` to the same actor arrives in
   that order, and a slow or unreachable destination (a connect timeout, a spoofed reply address)
@@ -77,7 +78,6 @@ class Node:
         # Peers asked to exit (their reply to "shutdown" may race their disconnect): leaving is not news.
         self.leaving: set[str] = set()
         self.trusted: set[str] = set()  # addresses whose ``dead`` notices we believe (the system)
-        self.bad_input = _wire.BadInputLog(log, f"node {name}")
         self._pending: dict[int, _Pending] = {}
         self._ids = itertools.count(1)
         self._queues: dict[str, collections.deque[_Out]] = {}
@@ -229,7 +229,7 @@ class Node:
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # undecodable bytes: the codec names the problem
-                self.bad_input(None, exc)
+                self.transport.drops(None, getattr(exc, "reason", "malformed"), exc)
                 continue
             self._dispatch(msg, local=False)
 
@@ -241,7 +241,7 @@ class Node:
         except ProtocolError as exc:
             self._reject(msg, exc)
         except Exception as exc:  # e.g. RecursionError on absurd nesting: drop it, keep routing
-            self.bad_input(msg.src, f"{type(exc).__name__}: {exc}")
+            self.transport.drops(msg.src, "malformed", f"{type(exc).__name__}: {exc}")
 
     def _dispatch_parsed(self, msg: Message, parsed: _wire.Parsed, local: bool) -> None:
         kind, header = parsed.kind, parsed.header
@@ -256,7 +256,7 @@ class Node:
                 if kind == "call":
                     self.reply_error(msg.src, header["i"], f"{header['to']}.{header['m']}", missing)
                 else:
-                    self.bad_input(msg.src, missing)
+                    self.transport.drops(msg.src, "no-actor", missing)
                 return
             host.deliver(msg.src, header.get("i"), header["m"], args, kwargs or {})
         elif kind in ("ok", "err"):
@@ -271,7 +271,7 @@ class Node:
             if msg.src in self.trusted:
                 self.mark_dead(header["a"], header["why"])
             else:
-                self.bad_input(msg.src, "dead notice from an untrusted sender")
+                self.transport.drops(msg.src, "untrusted", "dead notice from an untrusted sender")
         # "pong" only refreshes last_heard (done above)
 
     def _resolve(self, msg: Message, header: dict[str, Any], local: bool) -> None:
@@ -280,9 +280,10 @@ class Node:
             # A reply for a call that was cancelled or timed out is normal; a reply from the wrong
             # peer is not, but either way there is nobody to deliver it to.
             if pending is not None:
-                self.bad_input(msg.src, f"reply to call {header['i']} came from {msg.src}, but the call went to "
-                                        f"{pending.address} (peers must be addressed exactly as they bound: "
-                                        "127.0.0.1 is not localhost)")
+                self.transport.drops(msg.src, "wrong-peer",
+                                     f"reply to call {header['i']} came from {msg.src}, but the call went to "
+                                     f"{pending.address} (peers must be addressed exactly as they bound: "
+                                     "127.0.0.1 is not localhost)")
             return
         if pending.future.done():
             return
@@ -297,7 +298,7 @@ class Node:
         if header.get("k") == "call" and isinstance(call_id, int) and not isinstance(call_id, bool):
             target = f"{str(header.get('to'))[:60]}.{str(header.get('m'))[:60]}"
             self.reply_error(msg.src, call_id, target, exc)
-        self.bad_input(msg.src, exc)
+        self.transport.drops(msg.src, "header", exc)
 
     def _on_task_done(self, task: asyncio.Task[None]) -> None:
         if task.cancelled() or self._closed:

@@ -22,14 +22,13 @@ this table is bad input: :func:`parse` raises ``ProtocolError`` naming the field
 
 from __future__ import annotations
 
-import logging
 import traceback
 from dataclasses import dataclass
 from typing import Any
 
 from digenrl.errors import ProtocolError, RemoteError
 
-__all__ = ["Parsed", "BadInputLog", "error_fields", "parse", "remote_error"]
+__all__ = ["Parsed", "error_fields", "parse", "remote_error"]
 
 _FIELDS: dict[str, dict[str, type | tuple[type, ...]]] = {
     "call": {"i": int, "to": str, "m": str},
@@ -103,19 +102,3 @@ def error_fields(where: str, exc: BaseException) -> dict[str, str]:
 def remote_error(header: dict[str, Any]) -> RemoteError:
     """Rebuild the caller-side ``RemoteError`` from an ``err`` header."""
     return RemoteError(header["w"], header["t"], header["e"], header["tb"])
-
-
-class BadInputLog:
-    """Rate-limited warnings for dropped input, so a flood cannot flood the log.
-
-    The first ``burst`` drops are logged one by one, then one line per ``every`` drops.
-    """
-
-    def __init__(self, logger: logging.Logger, who: str, *, burst: int = 5, every: int = 100) -> None:
-        self.log, self.who, self.burst, self.every = logger, who, burst, every
-        self.count = 0
-
-    def __call__(self, src: str | None, reason: object) -> None:
-        self.count += 1
-        if self.count <= self.burst or self.count % self.every == 0:
-            self.log.warning("%s: dropped bad input #%d from %s: %s", self.who, self.count, src or "?", str(reason)[:300])

@@ -156,6 +156,7 @@ def iteration(run: ColocatedRun, it: int) -> tuple[dict[str, Any], torch.Tensor,
         rows_trained=len(res.transitions), rows_kept=len(batch), **{k: stats.get(k, 0.0) for k in LOSS_KEYS},
         grad_norm=stats["grad_norm"], max_staleness=0, bubble_ratio={"colocated": bubble, "overall": bubble},
         t_rollout=t1 - t0, t_decode=t2 - t1, t_reward=t3 - t2, t_train=t4 - t3,
+        dropped_messages=0,  # one process, no socket: nothing to drop
         rewards={name: float(s.mean()) for name, s in comps.items()}, **parity_fields(stats),
     )
     line = metrics.line()

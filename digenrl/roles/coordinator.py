@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from digenrl.actors import dropped_counts
 from digenrl.config import Config
 from digenrl.data.prompts import batch_prompts
 from digenrl.errors import ActorDied, ConfigError, DigenrlError, StalenessViolation
@@ -42,7 +43,7 @@ from digenrl.rl.advantages import GroupAssembler
 from digenrl.rl.loss import reduce_stats
 from digenrl.schedule import make_schedule
 from digenrl.schedule.base import CostEstimate, Device, DeviceDied, Role, Schedule, Token, TokenDone, TokenKind, Workload
-from digenrl.telemetry.metrics import LOSS_KEYS, PHASE_KEYS, StepMetrics, parity_fields, parity_warning
+from digenrl.telemetry.metrics import LOSS_KEYS, PHASE_KEYS, StepMetrics, parity_fields, parity_warning, total_drops
 from digenrl.telemetry.spans import SpanLog, window_bubbles
 
 __all__ = ["Coordinator", "RunStopped"]
@@ -163,6 +164,7 @@ class Coordinator:
         self._last_optim = self.t0
         self.lost_devices: list[str] = []
         self.token_log: list[tuple[Token, float]] = []  # every completed token with its measured seconds
+        self._dropped: dict[str, dict[str, int]] = {}  # endpoint -> its latest dropped-input counters
 
     # -- public --------------------------------------------------------------------------------
     @property
@@ -351,6 +353,7 @@ class Coordinator:
 
     def _record(self, token: Token, result: dict[str, Any]) -> None:
         kind, batch = token.kind, token.batch + self.base
+        self._dropped.update(result.get("dropped") or {})
         if kind is not TokenKind.OPTIM:
             self.spans.add(token.device, kind, batch, token.fragment, token.policy_version + self.base,
                            result["t0"], result["t1"], token.num_samples, token.helper, token.id)
@@ -407,6 +410,7 @@ class Coordinator:
         seconds = end - self._last_optim
         self._last_optim = end
         adv = _in_sample_order({sid: a for sid, (a, _) in book.adv.items()})
+        dropped, by_reason = total_drops({**self._dropped, **dropped_counts()})  # the actors' and our own node's
         metrics = StepMetrics(
             step=batch, version=batch + 1, time=end_rel, seconds=seconds,
             samples_per_s=self.workload.samples_per_batch / max(seconds, 1e-9),
@@ -417,6 +421,7 @@ class Coordinator:
             rows_trained=sum(e - s for spans in book.ledger.values() for s, e in spans), rows_kept=book.kept_rows,
             **{k: stats.get(k, 0.0) for k in LOSS_KEYS}, grad_norm=optim["grad_norm"], max_staleness=book.staleness,
             bubble_ratio=bubbles, **{k: book.phase.get(k, 0.0) for k in PHASE_KEYS},
+            dropped_messages=dropped, dropped=by_reason,
             rewards={name: float(torch.tensor(_in_sample_order(v)).mean()) for name, v in book.components.items() if v},
             **parity_fields(stats),
         ).line()

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from digenrl.actors import dropped_counts
 from digenrl.actors.base import Actor, ActorRef, endpoint
 from digenrl.config import Config, config_from_dict
 from digenrl.errors import ActorDied, RemoteError, StalenessViolation
@@ -72,12 +73,12 @@ class GenerationMixin:
     @endpoint
     async def rollout(self, token: dict[str, Any], prompts: list[str]) -> dict[str, Any]:
         """Run a ROLLOUT token (denoising steps of its fragments); returns the measured span."""
-        return await self._run_rollout(token, prompts)
+        return {**await self._run_rollout(token, prompts), "dropped": dropped_counts()}
 
     @endpoint
     async def reward(self, token: dict[str, Any], prompts: list[str], store: str, images: bool = False) -> dict[str, Any]:
         """Run a REWARD token: take, decode, score, hand transitions to trainer ``store``; returns rewards."""
-        return await self._run_reward(token, prompts, store, images)
+        return {**await self._run_reward(token, prompts, store, images), "dropped": dropped_counts()}
 
     @endpoint(control=True)
     async def take_fragment(self, batch: int, index: int) -> dict[str, Any]:

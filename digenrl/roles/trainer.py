@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from digenrl.actors import dropped_counts
 from digenrl.actors.base import Actor, endpoint
 from digenrl.config import config_from_dict
 from digenrl.errors import ActorDied, ConfigError, StalenessViolation
@@ -208,7 +209,7 @@ class TrainerActor(GenerationMixin, Actor):
                 raise StalenessViolation(f"fragment {frag.key} generated with v{frag.version} trained into "
                                          f"v{b + 1}: staleness {b - frag.version} > {self.staleness}")
         sums, rows = await self._compute(self._train_compute, token, data, frags)
-        return {"sums": sums, "rows": rows, "t0": t0, "t1": time.time()}
+        return {"sums": sums, "rows": rows, "t0": t0, "t1": time.time(), "dropped": dropped_counts()}
 
     def _train_compute(self, token: dict[str, Any], data: list[FragmentData],
                        frags: list[dict[str, Any]]) -> tuple[list[dict[str, float]], list[list[int]]]:

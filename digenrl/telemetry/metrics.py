@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 __all__ = ["StepMetrics", "LOSS_KEYS", "PHASE_KEYS", "PARITY_KEYS", "METRIC_KEYS", "MetricsLog", "parity_fields",
-           "parity_warning"]
+           "parity_warning", "total_drops"]
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +59,9 @@ class StepMetrics:
             both sides compute the same numbers), max |ratio - 1| and max |l - l_old|. ``None`` when
             no row was measured. This is not ``ratio``: a stale batch's ratio against the *current*
             weights differs from 1 by design (the policy moved); parity compares like with like.
+        dropped_messages: malformed messages the run's endpoints dropped so far (cumulative: the
+            coordinator's, and each actor's as of its latest token result); ``dropped``: the same by
+            reason (``dropped/<reason>`` in the line, e.g. ``dropped/garbage``). 0 in the colocated loop.
     """
 
     step: int
@@ -93,17 +96,34 @@ class StepMetrics:
     parity_ratio: float | None
     parity_ratio_dev_max: float | None
     parity_logp_diff_max: float | None
+    dropped_messages: int
     rewards: dict[str, float] = field(default_factory=dict)
+    dropped: dict[str, int] = field(default_factory=dict)
 
     def line(self) -> dict[str, Any]:
         """The flat ``metrics.jsonl`` form."""
-        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "rewards"}
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in _MAPS}
         out.update({f"reward/{name}": value for name, value in self.rewards.items()})
+        out.update({f"dropped/{reason}": n for reason, n in sorted(self.dropped.items())})
         return out
 
 
-#: Keys every ``metrics.jsonl`` line has, whatever the schedule (``reward/<name>`` keys follow the config).
-METRIC_KEYS = tuple(f.name for f in dataclasses.fields(StepMetrics) if f.name != "rewards")
+_MAPS = ("rewards", "dropped")  # flattened into ``<prefix>/<name>`` keys by ``line``
+
+#: Keys every ``metrics.jsonl`` line has, whatever the schedule (``reward/<name>`` and ``dropped/<reason>``
+#: keys follow the config and what was dropped).
+METRIC_KEYS = tuple(f.name for f in dataclasses.fields(StepMetrics) if f.name not in _MAPS)
+
+
+def total_drops(counts: dict[str, dict[str, int]]) -> tuple[int, dict[str, int]]:
+    """``{endpoint: transport stats}`` -> (all dropped messages, dropped by reason), summed over endpoints."""
+    total, by_reason = 0, {}
+    for stats in counts.values():
+        total += stats.get("dropped", 0)
+        for key, n in stats.items():
+            if key.startswith("dropped/"):
+                by_reason[key[len("dropped/"):]] = by_reason.get(key[len("dropped/"):], 0) + n
+    return total, by_reason
 
 
 def parity_fields(stats: dict[str, float]) -> dict[str, Any]:

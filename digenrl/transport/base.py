@@ -19,8 +19,11 @@ Beyond the four abstract members every transport has two concrete helpers:
     loop when a peer this endpoint has sent to is found dead (the actor runtime fails the calls
     pending on that peer with it);
   * ``stats``: counters ``sent``, ``received``, ``dropped`` (malformed input from a peer: logged
-    and skipped, never raised to the receiver), ``staged`` (device tensors that took the host path),
-    plus implementation-specific ones (zmq: ``shm_fallback``).
+    and skipped, never raised to the receiver) with ``dropped/<reason>`` per reason, ``staged``
+    (device tensors that took the host path), plus implementation-specific ones (zmq: ``shm_fallback``);
+  * ``drops(src, reason, detail)``: count and log one dropped message, rate-limited per peer
+    (:class:`~digenrl.transport._drops.DropLog`); the actor runtime reports the input it rejects
+    there too, so one endpoint has one set of counts.
 
 Zero copy cuts both ways: a sender must not mutate a payload tensor until ``send`` returned, and
 on ``inproc`` with ``copy=False`` the receiver's tensors alias the sender's.
@@ -35,6 +38,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from digenrl.errors import TransportBroken
+from digenrl.transport._drops import DropLog
 
 __all__ = ["Message", "PeerListener", "Transport"]
 
@@ -120,6 +124,14 @@ class Transport(abc.ABC):
     def stats(self) -> dict[str, int]:
         """Counters: ``sent``, ``received``, ``dropped`` (malformed input), ``staged`` (host fallbacks)."""
         return self.__dict__.setdefault("_stats", {"sent": 0, "received": 0, "dropped": 0, "staged": 0})
+
+    @property
+    def drops(self) -> DropLog:
+        """Counts dropped input into ``stats`` and logs it, rate-limited per peer."""
+        drops = self.__dict__.get("_drops")
+        if drops is None:
+            drops = self.__dict__["_drops"] = DropLog(log, f"{self.kind} endpoint {self.address}", self.stats)
+        return drops
 
     async def __aenter__(self) -> Transport:
         return self

@@ -250,11 +250,14 @@ def encode(
 
 def _check_limits(head: int, nframes: int, total: int, options: CodecOptions, where: str) -> None:
     if head > options.max_header_bytes:
-        raise ProtocolError(f"{where}: header frame is {head} bytes, over max_header_bytes={options.max_header_bytes}")
+        raise ProtocolError(f"{where}: header frame is {head} bytes, over max_header_bytes={options.max_header_bytes}",
+                            reason="oversized")
     if nframes > options.max_frames:
-        raise ProtocolError(f"{where}: {nframes} payload frames, over max_frames={options.max_frames}")
+        raise ProtocolError(f"{where}: {nframes} payload frames, over max_frames={options.max_frames}",
+                            reason="oversized")
     if total > options.max_total_bytes:
-        raise ProtocolError(f"{where}: message is {total} bytes, over max_total_bytes={options.max_total_bytes}")
+        raise ProtocolError(f"{where}: message is {total} bytes, over max_total_bytes={options.max_total_bytes}",
+                            reason="oversized")
 
 
 # ---------------------------------------------------------------------------------------- decode
@@ -399,20 +402,23 @@ def decode(
 
 def _decode(frames: Sequence[Any], options: CodecOptions, resolve: Resolve | None) -> tuple[dict[str, Any], Any]:
     if len(frames) == 0:
-        raise ProtocolError("empty message: no header frame")
+        raise ProtocolError("empty message: no header frame", reason="garbage")
     if len(frames) - 1 > options.max_frames:
-        raise ProtocolError(f"{len(frames) - 1} payload frames, over max_frames={options.max_frames}")
+        raise ProtocolError(f"{len(frames) - 1} payload frames, over max_frames={options.max_frames}",
+                            reason="oversized")
     views = [_view(f) for f in frames]
     _check_limits(views[0].nbytes, len(views) - 1, sum(v.nbytes for v in views), options, "decode")
     dec = _Decoder(views, resolve, options.max_total_bytes)
     try:
         top = msgpack.unpackb(views[0], raw=False, strict_map_key=False, use_list=True)
     except (msgpack.ExtraData, msgpack.FormatError, msgpack.StackError, ValueError) as exc:
-        raise ProtocolError(f"header frame is not one msgpack value ({type(exc).__name__}: {exc})") from exc
+        raise ProtocolError(f"header frame is not one msgpack value ({type(exc).__name__}: {exc})",
+                            reason="garbage") from exc
     if not isinstance(top, list) or len(top) != 4:
-        raise ProtocolError("header frame must be [version, n_frames, header, payload]")
+        raise ProtocolError("header frame must be [version, n_frames, header, payload]", reason="garbage")
     if top[0] != PROTOCOL_VERSION:
-        raise ProtocolError(f"protocol version {top[0]!r:.20}, this side speaks version {PROTOCOL_VERSION}")
+        raise ProtocolError(f"protocol version {top[0]!r:.20}, this side speaks version {PROTOCOL_VERSION}",
+                            reason="version")
     if top[1] != len(views) - 1:
         raise ProtocolError(f"header announces {top[1]!r:.20} payload frames but {len(views) - 1} arrived")
     # Unpack again with the extension hook now that the envelope is known to be sane.

@@ -13,7 +13,8 @@ State machine and races (the contract of :class:`~digenrl.transport.base.Transpo
   * Receiving: an event-loop reader callback on the ROUTER's ``ZMQ_FD`` drains it, decodes and
     queues messages (at most ``hwm`` decoded messages; beyond that it stops reading, so ZeroMQ's
     high-water marks push back on the senders). ``recv`` waits on that queue, so a cancelled ``recv`` loses nothing. Garbage from a
-    peer is logged, counted in ``stats["dropped"]`` and skipped; it never reaches ``recv``. An
+    peer is counted in ``stats`` (``dropped``, ``dropped/<reason>``), logged with a per-peer rate
+    limit (``drops``) and skipped; it never reaches ``recv``. An
     unexpected reader failure is delivered to every pending and later ``recv``.
   * Peers: the first send to a destination waits (up to ``connect_timeout_s``) for the ZMTP
     handshake, seen through a socket monitor. After that, a disconnect event (the peer process
@@ -528,8 +529,7 @@ class ZmqTransport(Transport):
         try:
             header, payload = codec.decode(frames[1:], options=self._options, resolve=self._resolver(src))
         except ProtocolError as exc:
-            self.stats["dropped"] += 1
-            log.warning("dropped a malformed message from %s: %s", src, exc)
+            self.drops(src, exc.reason, exc)
             return None
         return Message(src, header, payload)
 
@@ -541,6 +541,7 @@ class ZmqTransport(Transport):
             return
         self._closed = True
         self._drain_unread()
+        self.drops.flush()
         self._queue.clear()
         self._reader.clear()
         self._wake()

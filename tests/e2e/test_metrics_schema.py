@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import Any
 
 import pytest
+import zmq
 
+from digenrl.actors._context import current_node
 from digenrl.config import load_config
 from digenrl.recipes.colocated import train
 from digenrl.recipes.disaggregated import arun_disaggregated
@@ -39,3 +42,33 @@ async def test_colocated_and_async1_lines_carry_the_same_keys() -> None:
     # Batch 1 of async1 was sampled by version 0 and trained by version 1: its ratio against the current
     # weights moved (the policy changed), its parity (a sample recomputed under version 0) did not.
     assert actors[1]["ratio_dev"] > 1e-4 and actors[1]["parity_rows"] == 16 * 2  # a sample per train token
+
+
+async def test_messages_dropped_during_a_run_are_in_its_metrics() -> None:
+    """Garbage sent to the coordinator's socket mid-run: every line reports the endpoints' drops, by reason."""
+    flood, seen = 50, []
+    ctx = zmq.Context()
+    raw = ctx.socket(zmq.DEALER)
+    raw.setsockopt(zmq.LINGER, 0)
+    node: list[Any] = []
+
+    def on_dispatch(device: str, token: dict) -> None:
+        if not node:  # the first token: the run's sockets are up
+            node.append(current_node.get())
+            raw.connect(node[0].address)
+            for _ in range(flood):
+                raw.send(b"not a digenrl message")
+
+    def on_step(line: dict) -> None:
+        # The coordinator's own count right now (the actors were not flooded: theirs are 0).
+        seen.append((line["dropped_messages"], node[0].transport.stats["dropped"]))
+
+    cfg = load_config(CONFIG, [*SMALL, "schedule.name=async1", "transport.address=tcp://127.0.0.1:0"])
+    try:
+        lines = await arun_disaggregated(cfg, on_step=on_step, on_dispatch=on_dispatch, write_files=False)
+    finally:
+        raw.close(0)
+        ctx.term()
+    assert all("dropped_messages" in line for line in lines)
+    assert all(reported == live for reported, live in seen)
+    assert lines[-1]["dropped_messages"] == flood and lines[-1]["dropped/garbage"] == flood
