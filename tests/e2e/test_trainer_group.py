@@ -22,6 +22,7 @@ from digenrl.policy import build_model
 from digenrl.recipes.checkpoint import find_checkpoint, load_state
 from digenrl.recipes.disaggregated import arun_disaggregated
 from digenrl.roles.coordinator import RunStopped
+from tests.conftest import gpu_test
 
 CONFIG = Path(__file__).resolve().parents[2] / "configs" / "tiny-qwenimage.toml"
 
@@ -122,3 +123,62 @@ async def test_killed_group_member_stops_the_run_and_resume_reforms_the_group(tm
     history = await arun_disaggregated(cfg, tmp_path, resume=tmp_path)  # two fresh trainers, a fresh group
     assert [m["step"] for m in history] == [0, 1, 2]
     assert history[2]["grad_norm"] > 0
+
+
+def _fsdp_bf16_member(queue: object) -> None:
+    """One NCCL rank: FSDP2 on the tiny bf16 model with fp32 master weights, a backward, a gathered state."""
+    from torch.distributed.tensor import DTensor
+
+    from digenrl.config import config_from_dict
+    from digenrl.policy import prepare_for_training
+    from digenrl.roles.trainer_group import TrainerGroup, gathered_state_dict, open_store, shard_model
+
+    store = open_store("127.0.0.1", 1, 60.0)
+    group = TrainerGroup(0, 1, f"127.0.0.1:{store.port}", "nccl", 60.0, store=store)
+    cfg = config_from_dict({"model": {"name": "qwenimage", "preset": "tiny", "device": "cuda", "dtype": "bfloat16",
+                                      "finetune": "full"}, "schedule": {"name": "gap"},
+                            "train": {"shard": "fsdp", "grad_checkpointing": True}})
+    model, _ = build_model(cfg)
+    prepare_for_training(model, cfg)
+    shard_model(model, fp32_master=True)
+    params = list(model.transformer.parameters())
+    cond = model.encode_prompts(["a red square"])
+    x = model.prepare_latents(1)
+    v = model.velocity(x, torch.tensor([0.5]), cond)
+    v.float().square().mean().backward()
+    state = gathered_state_dict(trainable_state_dict(model, copy_tensors=False), keep=True)
+    queue.put({"sharded": all(isinstance(p, DTensor) for p in params),
+               "master": {str(p.dtype) for p in params}, "compute": str(v.dtype),
+               "grads": all(p.grad is not None for p in params),
+               "gathered": {str(t.device) for t in state.values()}})
+    group.close()
+
+
+@pytest.mark.gpu
+@gpu_test(1)
+def test_fsdp_keeps_fp32_master_weights_and_computes_in_bf16_on_cuda() -> None:
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    proc = ctx.Process(target=_fsdp_bf16_member, args=(queue,))
+    proc.start()
+    out = queue.get(timeout=300)
+    proc.join(60)
+    assert out == {"sharded": True, "master": {"torch.float32"}, "compute": "torch.bfloat16", "grads": True,
+                   "gathered": {"cpu"}}
+
+
+@pytest.mark.gpu
+@pytest.mark.multi_gpu
+@pytest.mark.slow
+@gpu_test(2)
+async def test_two_cuda_trainers_over_nccl_make_the_update_of_one(tmp_path: Path) -> None:
+    """The same group code with backend NCCL: one trainer per GPU (bf16 model, fp32 master LoRA)."""
+    cuda = ("model.device=cuda", "model.dtype=bfloat16")
+    one, h1 = await _step_once(tmp_path, "one", *cuda)
+    two, h2 = await _step_once(tmp_path, "two", *cuda, "placement.trainer=2")
+    assert h2[0]["rows_trained"] == h1[0]["rows_trained"] > 0
+    assert h2[0]["grad_norm"] == pytest.approx(h1[0]["grad_norm"], rel=2e-2)  # bf16 passes of other sizes
+    for k in one:
+        torch.testing.assert_close(two[k], one[k], rtol=2e-2, atol=3e-5, msg=k)
