@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from digenrl_cli import bench, doctor, keys, run, worker
+from digenrl_cli import bench, doctor, keys, plan, run, worker
 
 app = typer.Typer(
     name="digenrl",
@@ -32,6 +32,7 @@ def version() -> None:
 
 run.register(app)
 bench.register(app)
+plan.register(app)
 worker.register(app)
 keys.register(app)
 doctor.register(app)

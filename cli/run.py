@@ -29,6 +29,9 @@ def _load(config: Path, overrides: list[str] | None, validate_only: bool = False
     try:
         cfg = load_config(config, overrides or [])
         if not validate_only:
+            from digenrl.plan.memory import check_memory
+
+            check_memory(cfg)  # before anything is spawned: every role must fit its device
             check_runnable(cfg)
         if cfg.disaggregated:
             check_bind_address(cfg.transport.address, "transport.address")

@@ -109,9 +109,12 @@ class ModelConfig:
     # The frozen text encoder runs once per prompt (embeddings are cached); true moves it to the CPU
     # between uses (its GPU memory goes to activations). Trainers never encode: they free it always.
     offload_text_encoder: bool = True
+    # Size of a family with several (preset "full" and the memory plan): Wan2.1 "1.3B" | "14B"; "" = the largest.
+    variant: str = ""
 
     def __post_init__(self) -> None:
         from digenrl.models import MODEL_NAMES, PRESETS
+        from digenrl.models.full import VARIANTS
 
         _choice("model.vae_init", self.vae_init, ("default", "signal"))
         _check("model.vae_init", self.vae_init == "default" or self.preset != "pretrained",
@@ -127,6 +130,8 @@ class ModelConfig:
         _choice("model.dtype", self.dtype, ("float32", "bfloat16", "float16"))
         _choice("model.finetune", self.finetune, ("lora", "full"))
         _check("model.lora_rank", self.lora_rank >= 1, ">= 1", self.lora_rank)
+        if self.variant:
+            _choice("model.variant", self.variant, VARIANTS[self.name])
 
 
 @dataclass(frozen=True)
@@ -305,8 +310,12 @@ class PlacementConfig:
     actor_threads: int = 1
     workers: int = 0
     join_timeout: float = 600.0  # seconds to wait for the workers to join
+    gpu: str = "H100"  # the accelerator type each actor gets (the memory plan's headroom; `digenrl plan`)
 
     def __post_init__(self) -> None:
+        from digenrl.sim.devices import CATALOG
+
+        _choice("placement.gpu", self.gpu, tuple(CATALOG))
         _check("placement.threads", self.threads >= 1, ">= 1", self.threads)
         _check("placement.rollout", self.rollout >= 0, ">= 0 (0: trainers generate, needs TAG)", self.rollout)
         _check("placement.trainer", self.trainer >= 1, ">= 1", self.trainer)

@@ -1,7 +1,7 @@
 """The layering of DESIGN.md §4: each layer imports only from the layers below it.
 
 transport → actors (the generic runtime) → telemetry → data / models / rewards → rl → schedule →
-sim, config → policy → roles → recipes (→ cli). ``digenrl.errors`` is the ground every layer may use.
+sim, config → policy → roles → recipes, plan (→ cli). ``digenrl.errors`` is the ground every layer may use.
 """
 
 from __future__ import annotations
@@ -25,11 +25,12 @@ ALLOWED: dict[str, set[str]] = {
     "rl": {"models"},
     "schedule": set(),
     "sim": {"schedule", "telemetry"},
-    "config": {"schedule", "data", "models", "rewards", "rl"},
+    "config": {"schedule", "data", "models", "rewards", "rl", "sim"},
     "policy": {"config", "models"},
     "roles": _CORE | {"config", "policy", "data", "models", "rewards", "rl", "schedule"},
     "recipes": _CORE | {"config", "policy", "roles", "data", "models", "rewards", "rl", "schedule", "sim"},
     "doctor": _CORE | {"config", "recipes"},
+    "plan": {"config", "policy", "models", "schedule", "sim", "telemetry"},
 }
 
 

@@ -25,7 +25,9 @@ _MODELS: dict[str, tuple[str, str]] = {
     "hunyuanvideo": ("digenrl.models.hunyuan", "HunyuanVideoModel"),
 }
 MODEL_NAMES: tuple[str, ...] = tuple(_MODELS)
-PRESETS: tuple[str, ...] = ("tiny", "small", "pretrained")
+# "full": the published architecture at real size on the meta device, no weights (models/full.py);
+# the memory plan builds it, nothing can sample with it.
+PRESETS: tuple[str, ...] = ("tiny", "small", "pretrained", "full")
 
 
 def load_model(
@@ -64,6 +66,9 @@ def load_model(
         raise ConfigError(f"model.name: unknown model {name!r}; allowed: {', '.join(MODEL_NAMES)}")
     if preset not in PRESETS:
         raise ConfigError(f"model.preset: unknown preset {preset!r}; allowed: {', '.join(PRESETS)}")
+    if preset == "full":
+        raise ConfigError("model.preset: 'full' is the published architecture without weights (for `digenrl plan`); "
+                          "train with preset 'pretrained' and model.path, or 'tiny' on a CPU")
     module, cls_name = _MODELS[name]
     cls = getattr(importlib.import_module(module), cls_name)
     kwargs = dict(path=path, device=device, dtype=dtype, seed=seed, resolution=resolution,

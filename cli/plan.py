@@ -1,0 +1,83 @@
+"""`digenrl plan`: the memory plan of a config at the model's real size (see digenrl/plan)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated
+
+import typer
+
+from digenrl_cli._text import examples
+
+from digenrl.errors import ConfigError
+
+if TYPE_CHECKING:
+    from digenrl.plan.memory import MemoryPlan
+
+_SET_HELP = "Override a config value, e.g. --set train.rows_per_pass=8 (repeatable; values are TOML literals)."
+GB = 1e9
+
+
+def format_plan(plan: MemoryPlan) -> str:
+    """A readable table: one column per role, one row per kind of memory (GB per device)."""
+    roles = list(plan.roles.values())
+    rows = [("devices", lambda r: f"{r.devices}"),
+            ("weights", lambda r: f"{r.weights / GB:.2f}"),
+            ("reference", lambda r: f"{r.reference / GB:.2f}"),
+            ("trainable", lambda r: f"{r.trainable / GB:.2f}"),
+            ("grads", lambda r: f"{r.grads / GB:.2f}"),
+            ("optimizer", lambda r: f"{r.optimizer / GB:.2f}"),
+            ("activations", lambda r: f"{r.activations / GB:.2f}"),
+            ("VAE", lambda r: f"{r.vae / GB:.2f}"),
+            ("text encoders", lambda r: f"{r.text_encoders / GB:.2f}"),
+            ("total / device", lambda r: f"{r.bytes_per_device / GB:.2f}"),
+            (f"headroom on {plan.device}", lambda r: f"{r.headroom / GB:.2f}"),
+            ("fits", lambda r: "yes" if r.fits else "NO"),
+            ("host (offloaded)", lambda r: f"{r.host_bytes / GB:.2f}")]
+    width = max(len(name) for name, _ in rows) + 2
+    lines = [f"{plan.model} {plan.variant} ({plan.preset}): transformer {plan.transformer_params / 1e9:.2f} B params, "
+             f"text encoders {plan.text_encoder_params / 1e9:.2f} B, VAE {plan.vae_params / 1e9:.3f} B; "
+             f"trainer shard {plan.shard}, rows_per_pass {plan.rows_per_pass}",
+             f"device {plan.device}: {plan.capacity / GB:.1f} GB, 2 GB kept for the CUDA context and allocator",
+             "GB per device".ljust(width) + "".join(r.role.rjust(12) for r in roles)]
+    lines += [name.ljust(width) + "".join(fmt(r).rjust(12) for r in roles) for name, fmt in rows]
+    lines.append(f"activations: {plan.activations}")
+    lines += [f"{r.role}: {note}" for r in roles for note in r.notes]
+    return "\n".join(lines)
+
+
+def plan(
+    config: Annotated[Path, typer.Argument(help="A TOML config, e.g. configs/qwenimage.toml.")],
+    set_: Annotated[list[str] | None, typer.Option("--set", help=_SET_HELP)] = None,
+    json_out: Annotated[Path | None, typer.Option("--json", help="Also write the plan as JSON here.")] = None,
+) -> None:
+    """Memory per role and device at the model's real size (built on the meta device, no weights);
+    exits 1 when a role does not fit, naming the key to change."""
+    from digenrl.config import load_config
+    from digenrl.plan.memory import check_memory, memory_plan
+
+    try:
+        cfg = load_config(config, set_ or [])
+        result = memory_plan(cfg)
+    except ConfigError as exc:
+        typer.secho(f"config error: {exc}", fg=typer.colors.RED, err=True)
+        raise typer.Exit(2) from exc
+    typer.echo(format_plan(result))
+    if json_out is not None:
+        json_out.parent.mkdir(parents=True, exist_ok=True)
+        json_out.write_text(json.dumps(result.to_json(), indent=2))
+    try:
+        check_memory(cfg, result)
+    except ConfigError as exc:
+        typer.secho(f"does not fit: {exc}", fg=typer.colors.RED, err=True)
+        raise typer.Exit(1) from exc
+    typer.echo(f"fits: every role has headroom on {result.device}")
+
+
+def register(app: typer.Typer) -> None:
+    """Add `plan` to `app`."""
+    app.command("plan", epilog=examples(
+        "digenrl plan configs/qwenimage.toml",
+        "digenrl plan configs/wan21.toml --set model.variant=14B --json runs/plan-wan14b.json",
+        "digenrl plan configs/qwenimage.toml --set schedule.name=colocated   # the baseline on one GPU"))(plan)

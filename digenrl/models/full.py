@@ -1,0 +1,161 @@
+"""Preset ``full``: the published architectures at their real size, built on the meta device (no weights).
+
+The configs below are the diffusers/transformers ``config.json`` files of the released checkpoints,
+kept in the project so that nothing is fetched: Qwen/Qwen-Image, black-forest-labs/FLUX.1-dev,
+Wan-AI/Wan2.1-T2V-1.3B-Diffusers and -14B-Diffusers, hunyuanvideo-community/HunyuanVideo. Every module
+is constructed under ``torch.device("meta")``: parameters carry shapes and dtypes but no storage, so a
+20 B model "builds" in a second and the memory plan (``digenrl.plan``) counts and traces it exactly.
+
+A family with several sizes picks one with ``model.variant`` (Wan2.1: ``"1.3B"`` or ``"14B"``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from digenrl.errors import ConfigError
+
+__all__ = ["FULL_CONFIGS", "VARIANTS", "FullModel", "build_full", "default_variant", "cast_quietly"]
+
+_QWEN_VL_TEXT = dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+                     num_key_value_heads=4, vocab_size=152064, max_position_embeddings=128000, rope_theta=1e6,
+                     tie_word_embeddings=False)
+_QWEN_VL_VISION = dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, out_hidden_size=3584,
+                       patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=112,
+                       fullatt_block_indexes=[7, 15, 23, 31], in_channels=3)
+_T5_XXL = dict(d_model=4096, d_ff=10240, d_kv=64, num_heads=64, num_layers=24, vocab_size=32128,
+               feed_forward_proj="gated-gelu", is_encoder_decoder=False)
+_UMT5_XXL = dict(d_model=4096, d_ff=10240, d_kv=64, num_heads=64, num_layers=24, vocab_size=256384,
+                 feed_forward_proj="gated-gelu")
+_CLIP_L = dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12,
+               vocab_size=49408, max_position_embeddings=77, projection_dim=768)
+_LLAVA_LLAMA3_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                        num_key_value_heads=8, vocab_size=128320, rms_norm_eps=1e-5, rope_theta=500000.0)
+_WAN_TRANSFORMER = dict(patch_size=(1, 2, 2), in_channels=16, out_channels=16, text_dim=4096, freq_dim=256,
+                        attention_head_dim=128, cross_attn_norm=True, qk_norm="rms_norm_across_heads", eps=1e-6,
+                        rope_max_seq_len=1024)
+_WAN_VAE = dict(base_dim=96, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=2, temperal_downsample=[False, True, True])
+_FLUX_VAE = dict(in_channels=3, out_channels=3, latent_channels=16, block_out_channels=(128, 256, 512, 512),
+                 down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
+                 layers_per_block=2, norm_num_groups=32, use_quant_conv=False, use_post_quant_conv=False,
+                 shift_factor=0.1159, scaling_factor=0.3611)
+
+# name -> variant -> component -> (library class name, config kwargs)
+FULL_CONFIGS: dict[str, dict[str, dict[str, tuple[str, dict[str, Any]]]]] = {
+    "qwenimage": {"20B": {
+        "transformer": ("QwenImageTransformer2DModel", dict(
+            patch_size=2, in_channels=64, out_channels=16, num_layers=60, attention_head_dim=128,
+            num_attention_heads=24, joint_attention_dim=3584, guidance_embeds=False, axes_dims_rope=(16, 56, 56))),
+        "vae": ("AutoencoderKLQwenImage", _WAN_VAE),
+        "text_encoder": ("Qwen2_5_VLForConditionalGeneration", dict(_QWEN_VL_TEXT, vision_config=_QWEN_VL_VISION)),
+    }},
+    "flux": {"12B": {
+        "transformer": ("FluxTransformer2DModel", dict(
+            patch_size=1, in_channels=64, num_layers=19, num_single_layers=38, attention_head_dim=128,
+            num_attention_heads=24, joint_attention_dim=4096, pooled_projection_dim=768, guidance_embeds=True,
+            axes_dims_rope=(16, 56, 56))),
+        "vae": ("AutoencoderKL", _FLUX_VAE),
+        "text_encoder": ("CLIPTextModel", _CLIP_L),
+        "text_encoder_2": ("T5EncoderModel", _T5_XXL),
+    }},
+    "wan21": {
+        "1.3B": {
+            "transformer": ("WanTransformer3DModel", dict(_WAN_TRANSFORMER, num_attention_heads=12, ffn_dim=8960,
+                                                           num_layers=30)),
+            "vae": ("AutoencoderKLWan", _WAN_VAE),
+            "text_encoder": ("UMT5EncoderModel", _UMT5_XXL),
+        },
+        "14B": {
+            "transformer": ("WanTransformer3DModel", dict(_WAN_TRANSFORMER, num_attention_heads=40, ffn_dim=13824,
+                                                           num_layers=40)),
+            "vae": ("AutoencoderKLWan", _WAN_VAE),
+            "text_encoder": ("UMT5EncoderModel", _UMT5_XXL),
+        },
+    },
+    "hunyuanvideo": {"13B": {
+        "transformer": ("HunyuanVideoTransformer3DModel", dict(
+            in_channels=16, out_channels=16, num_attention_heads=24, attention_head_dim=128, num_layers=20,
+            num_single_layers=40, num_refiner_layers=2, mlp_ratio=4.0, patch_size=2, patch_size_t=1,
+            qk_norm="rms_norm", guidance_embeds=True, text_embed_dim=4096, pooled_projection_dim=768,
+            rope_theta=256.0, rope_axes_dim=(16, 56, 56))),
+        "vae": ("AutoencoderKLHunyuanVideo", dict(latent_channels=16, block_out_channels=(128, 256, 512, 512),
+                                                 layers_per_block=2, spatial_compression_ratio=8,
+                                                 temporal_compression_ratio=4)),
+        "text_encoder": ("LlamaModel", _LLAVA_LLAMA3_8B),
+        "text_encoder_2": ("CLIPTextModel", _CLIP_L),
+    }},
+}
+VARIANTS: dict[str, tuple[str, ...]] = {name: tuple(v) for name, v in FULL_CONFIGS.items()}
+
+# transformers config class of each text encoder class
+_TEXT_CONFIGS = {"Qwen2_5_VLForConditionalGeneration": "Qwen2_5_VLConfig", "T5EncoderModel": "T5Config",
+                 "UMT5EncoderModel": "UMT5Config", "CLIPTextModel": "CLIPTextConfig", "LlamaModel": "LlamaConfig"}
+
+
+def default_variant(name: str) -> str:
+    """The variant used when ``model.variant`` is empty: the family's only (or largest) size."""
+    return VARIANTS[name][-1]
+
+
+@dataclass
+class FullModel:
+    """The components of one published pipeline on the meta device.
+
+    ``transformer`` is what trains; ``text_encoders`` run once per prompt; ``vae`` decodes samples.
+    """
+
+    name: str
+    variant: str
+    transformer: torch.nn.Module
+    vae: torch.nn.Module
+    text_encoders: dict[str, torch.nn.Module]
+
+
+def _build(cls_name: str, kwargs: dict[str, Any], dtype: torch.dtype) -> torch.nn.Module:
+    if cls_name in _TEXT_CONFIGS:
+        import transformers
+
+        config = getattr(transformers, _TEXT_CONFIGS[cls_name])(**kwargs)
+        module = getattr(transformers, cls_name)._from_config(config, dtype=dtype)
+    else:
+        import diffusers
+
+        module = getattr(diffusers, cls_name)(**kwargs)
+    # Meta parameters take whatever dtype the constructor chose: cast so that every byte count follows
+    # the configured precision (a past bug: Wan's fp32 norms stayed fp32 while the plan said bf16).
+    return cast_quietly(module, dtype).eval()
+
+
+def cast_quietly(module: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """``module.to(dtype)`` without diffusers' warning about fp32-kept modules (none are kept on meta)."""
+    from diffusers.utils import logging as dlogging
+
+    level = dlogging.get_verbosity()
+    dlogging.set_verbosity_error()
+    try:
+        return module.to(dtype=dtype)
+    finally:
+        dlogging.set_verbosity(level)
+
+
+def build_full(name: str, variant: str = "", dtype: torch.dtype = torch.bfloat16, *,
+               text_encoders: bool = True) -> FullModel:
+    """Build ``name``'s published architecture at real size on the meta device.
+
+    Raises:
+        ConfigError: unknown model name or variant (naming ``model.variant`` and the allowed sizes).
+    """
+    if name not in FULL_CONFIGS:
+        raise ConfigError(f"model.name: {name!r} has no full-size config; allowed: {', '.join(FULL_CONFIGS)}")
+    variant = variant or default_variant(name)
+    if variant not in FULL_CONFIGS[name]:
+        raise ConfigError(f"model.variant: {name} has no variant {variant!r}; allowed: {', '.join(VARIANTS[name])}")
+    spec = FULL_CONFIGS[name][variant]
+    with torch.device("meta"):
+        parts = {key: _build(cls, kwargs, dtype) for key, (cls, kwargs) in spec.items()
+                 if text_encoders or not key.startswith("text_encoder")}
+    texts = {k: v for k, v in parts.items() if k.startswith("text_encoder")}
+    return FullModel(name, variant, parts["transformer"], parts["vae"], texts)

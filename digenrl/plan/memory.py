@@ -1,0 +1,332 @@
+"""The memory plan: what each role holds on each of its devices, and whether it fits.
+
+``memory_plan(cfg)`` builds the configured model on the meta device (preset ``pretrained`` or ``full``:
+the published architecture at real size, ``models/full.py``; ``tiny``/``small``: that preset) and
+counts, per role:
+
+* weights: the transformer in ``model.dtype`` (trainers: divided over the group under FSDP, plus a
+  frozen reference copy for full fine-tuning with a KL term; FSDP also gathers two blocks at a time);
+* trainable: LoRA (``r·(in + out)`` per targeted linear) or every transformer parameter, in
+  ``model.dtype`` for LoRA plus an fp32 master copy when ``train.fp32_master`` and the model is not fp32;
+* gradients (fp32 with ``train.fp32_master``, else the model dtype) and Adam's two fp32 moments;
+* activations: the peak of one forward + backward of ``rows_per_pass`` rows (both CFG branches where the
+  model runs them), **traced** at the real dimensions on the meta device (``plan/trace.py``: every
+  tensor an operator creates, attention as a fused kernel keeps it, depth extrapolated from two- and
+  three-block copies); rollout devices: the peak of one no-grad forward of a rollout token's samples,
+  or of decoding one fragment, whichever is larger;
+* the VAE where decoding happens (rollout devices; trainers too when they generate, TAG) and the text
+  encoders there unless ``model.offload_text_encoder`` (then they sit in host memory between uses).
+
+The device is ``placement.gpu`` (the simulator's catalog) when ``model.device`` is CUDA, else this
+host's memory. ``RESERVE_BYTES`` per device is kept back for the CUDA context and allocator slack.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from digenrl.config import Config
+from digenrl.errors import ConfigError
+
+__all__ = ["RESERVE_BYTES", "RoleMemory", "MemoryPlan", "memory_plan", "check_memory", "device_capacity"]
+
+GB = 1e9
+RESERVE_BYTES = int(2 * GB)  # CUDA context (~0.5 GB) + caching-allocator fragmentation
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_TEXT_LEN = {"qwenimage": 512, "flux": 512, "wan21": 512, "hunyuanvideo": 256}  # the adapters' pretrained defaults
+ACTIVATIONS_METHOD = ("traced: peak live bytes of one forward+backward on the meta device at the real "
+                      "dimensions (attention as a fused kernel), depth extrapolated from 2- and 3-block copies")
+
+
+@dataclass
+class RoleMemory:
+    """One role on one of its devices (bytes unless named ``*_params``)."""
+
+    role: str
+    devices: int
+    weights: int = 0
+    reference: int = 0
+    trainable_params: int = 0
+    trainable: int = 0
+    grads: int = 0
+    optimizer: int = 0
+    activations: int = 0
+    vae: int = 0
+    text_encoders: int = 0
+    host_bytes: int = 0  # offloaded text encoders, in host memory
+    capacity: int = 0
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def bytes_per_device(self) -> int:
+        return (self.weights + self.reference + self.trainable + self.grads + self.optimizer + self.activations
+                + self.vae + self.text_encoders)
+
+    @property
+    def headroom(self) -> int:
+        return self.capacity - RESERVE_BYTES - self.bytes_per_device
+
+    @property
+    def fits(self) -> bool:
+        return self.headroom >= 0
+
+    def to_json(self) -> dict[str, Any]:
+        return {**asdict(self), "bytes_per_device": self.bytes_per_device, "headroom": self.headroom, "fits": self.fits}
+
+
+@dataclass
+class MemoryPlan:
+    """Every role's footprint for one config."""
+
+    model: str
+    variant: str
+    preset: str
+    device: str
+    capacity: int
+    shard: str
+    transformer_params: int
+    text_encoder_params: int
+    vae_params: int
+    rows_per_pass: int
+    activations: str
+    roles: dict[str, RoleMemory]
+    # what the activations scale with: bytes per training row and the row-independent part, per role
+    train_row_bytes: int = 0
+    train_activations: int = 0  # of one training pass (a role's activations may be its rollout peak instead)
+
+    @property
+    def fits(self) -> bool:
+        return all(r.fits for r in self.roles.values())
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "model": {"name": self.model, "variant": self.variant, "preset": self.preset,
+                      "transformer_params": self.transformer_params, "text_encoder_params": self.text_encoder_params,
+                      "vae_params": self.vae_params},
+            "device": {"type": self.device, "capacity_bytes": self.capacity, "reserve_bytes": RESERVE_BYTES},
+            "train": {"shard": self.shard, "rows_per_pass": self.rows_per_pass},
+            "activations": self.activations,
+            "roles": {name: r.to_json() for name, r in self.roles.items()},
+            "fits": self.fits,
+        }
+
+
+def device_capacity(cfg: Config) -> tuple[str, int]:
+    """(device type, bytes per device): ``placement.gpu`` on CUDA, this host's memory on CPU."""
+    if cfg.model.device.startswith("cuda"):
+        from digenrl.sim.devices import device_spec
+
+        return cfg.placement.gpu, int(device_spec(cfg.placement.gpu).memory_bytes)
+    return "cpu", os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def _components(cfg: Config, dtype: torch.dtype) -> Any:
+    from digenrl.models.full import FullModel, build_full, cast_quietly
+
+    m = cfg.model
+    if m.preset in ("pretrained", "full"):
+        return build_full(m.name, m.variant, dtype)
+    import importlib
+
+    module = {"qwenimage": "qwenimage", "flux": "flux", "wan21": "wan", "hunyuanvideo": "hunyuan"}[m.name]
+    builder = getattr(importlib.import_module(f"digenrl.models.{module}"), f"build_{module}_pipeline")
+    pipe = builder(m.preset, m.seed)  # a tiny preset builds in moments; then only its shapes are kept
+    texts = {k: getattr(pipe, k) for k in ("text_encoder", "text_encoder_2") if getattr(pipe, k, None) is not None}
+    for part in (pipe.transformer, pipe.vae, *texts.values()):
+        cast_quietly(part.to("meta"), dtype)
+    return FullModel(m.name, m.preset, pipe.transformer, pipe.vae, texts)
+
+
+def _numel(module: torch.nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+def lora_params(cfg: Config, transformer: torch.nn.Module) -> int:
+    """Parameters peft's LoRA adds: ``r·(in + out)`` per targeted linear layer (models/lora.py's targets)."""
+    from digenrl.models.lora import DEFAULT_LORA_TARGETS
+
+    targets = cfg.model.lora_targets or list(DEFAULT_LORA_TARGETS[cfg.model.name])
+    total = 0
+    for name, mod in transformer.named_modules():
+        if isinstance(mod, torch.nn.Linear) and any(name == t or name.endswith("." + t) for t in targets):
+            total += cfg.model.lora_rank * (mod.in_features + mod.out_features)
+    return total
+
+
+def _largest_block(transformer: torch.nn.Module) -> int:
+    blocks = [b for lst in transformer.children() if isinstance(lst, torch.nn.ModuleList) for b in lst]
+    return max((_numel(b) for b in blocks), default=0)
+
+
+def _sizes(cfg: Config) -> tuple[int, int]:
+    """(rows of one training pass on one trainer, samples of one rollout token) as the schedule resolves them."""
+    from digenrl.policy import trained_steps
+    from digenrl.schedule.base import Workload
+    from digenrl.schedule.options import PRESETS, resolve, with_overrides
+
+    ro, place = cfg.rollout, cfg.placement
+    w = Workload(1, ro.prompts_per_batch, ro.group_size, ro.num_steps, trained_steps(cfg))
+    opts = with_overrides(PRESETS[cfg.schedule.name], cfg.schedule_options)
+    colocated = cfg.schedule.name == "colocated"
+    n_roll = 1 if colocated else max(1, place.rollout)
+    n_train = 1 if colocated else place.trainer
+    sizes = resolve(opts, w, n_roll, n_train)
+    rows = cfg.train.rows_per_pass or math.ceil(w.rows_per_batch / n_train)
+    # the colocated loop (recipes/colocated.py) samples and decodes the whole batch at once
+    return rows, w.samples_per_batch if colocated else sizes.rollout_batch
+
+
+def _cfg_branches(cfg: Config) -> int:
+    """Rows per forward row: true CFG runs both branches in one batch (Qwen-Image, Wan2.1)."""
+    return 2 if cfg.model.name in ("qwenimage", "wan21") and cfg.model.guidance_scale > 1.0 else 1
+
+
+def _traces(cfg: Config, parts: Any, rows: int, roll: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
+    """(train peak for ``rows`` forward rows, the same for one row, rollout forward peak, decode peak per sample)."""
+    from digenrl.plan.trace import trace_decode, trace_extrapolated, transformer_inputs
+
+    m = cfg.model
+    h, w = m.resolution
+    text_len = m.text_len or (_TEXT_LEN[m.name] if m.preset in ("pretrained", "full") else 32)
+
+    def inputs(n: int) -> Any:
+        return lambda tr: transformer_inputs(m.name, tr, n, h, w, m.num_frames, text_len, dtype)
+
+    ckpt = cfg.train.grad_checkpointing
+    train = trace_extrapolated(m.name, parts.transformer, inputs(rows), train=True, checkpointing=ckpt)
+    one = trace_extrapolated(m.name, parts.transformer, inputs(_cfg_branches(cfg)), train=True, checkpointing=ckpt)
+    forward = trace_extrapolated(m.name, parts.transformer, inputs(roll), train=False, checkpointing=False)
+    decode = trace_decode(m.name, parts.vae, h, w, m.num_frames)
+    return train, one, forward, decode
+
+
+def memory_plan(cfg: Config) -> MemoryPlan:
+    """The footprint of every role of ``cfg`` on its devices (see the module docstring)."""
+    m, tr, place = cfg.model, cfg.train, cfg.placement
+    dtype = _DTYPES[m.dtype]
+    nbytes = torch.finfo(dtype).bits // 8
+    parts = _components(cfg, dtype)
+    n_transformer = _numel(parts.transformer)
+    n_text = sum(_numel(t) for t in parts.text_encoders.values())
+    n_vae = _numel(parts.vae)
+    device, capacity = device_capacity(cfg)
+    colocated = cfg.schedule.name == "colocated"
+    n_trainer = 1 if colocated else place.trainer
+    shard = cfg.shard if not colocated else "none"
+
+    rows, roll_samples = _sizes(cfg)
+    branches = _cfg_branches(cfg)
+    train_act, one_row_act, forward_act, decode_act = _traces(cfg, parts, rows * branches, roll_samples * branches, dtype)
+    decode_peak = decode_act * roll_samples
+    rollout_act = max(forward_act, decode_peak)
+
+    lora = m.finetune == "lora"
+    n_train = lora_params(cfg, parts.transformer) if lora else n_transformer
+    master = 4 if tr.fp32_master and dtype != torch.float32 else 0
+    grad_bytes = 4 if tr.fp32_master else nbytes
+    div = n_trainer if shard == "fsdp" else 1
+    text_bytes = n_text * nbytes
+    vae_bytes = n_vae * nbytes
+
+    def trainer(role: str, devices: int, generates: bool) -> RoleMemory:
+        r = RoleMemory(role, devices, capacity=capacity, trainable_params=n_train)
+        r.weights = n_transformer * nbytes // div
+        if shard == "fsdp":
+            r.weights += 2 * _largest_block(parts.transformer) * nbytes  # the gathered block and the prefetched one
+            r.notes.append(f"fsdp over {n_trainer} trainers")
+        if not lora and tr.kl_beta > 0:
+            r.reference = n_transformer * nbytes // div
+            r.notes.append("frozen reference copy (full fine-tune, kl_beta > 0)")
+        r.trainable = (n_train * nbytes if lora else 0) + n_train * master // div
+        r.grads = n_train * grad_bytes // div
+        r.optimizer = n_train * 8 // div
+        r.activations = train_act
+        if generates:
+            r.activations = max(train_act, rollout_act)
+            r.vae = vae_bytes
+            r.text_encoders, r.host_bytes = (0, text_bytes) if m.offload_text_encoder else (text_bytes, 0)
+            r.notes.append("also generates (TAG/colocated): VAE and rollout activations")
+        return r
+
+    roles: dict[str, RoleMemory] = {}
+    if colocated:
+        roles["colocated"] = trainer("colocated", 1, True)
+    else:
+        if place.rollout:
+            r = RoleMemory("rollout", place.rollout, capacity=capacity)
+            r.weights = n_transformer * nbytes
+            r.trainable_params = n_train if lora else 0
+            r.trainable = n_train * nbytes if lora else 0
+            r.activations = rollout_act
+            r.vae = vae_bytes
+            r.text_encoders, r.host_bytes = (0, text_bytes) if m.offload_text_encoder else (text_bytes, 0)
+            roles["rollout"] = r
+        from digenrl.schedule.options import PRESETS
+
+        generates = place.rollout == 0 or (PRESETS[cfg.schedule.name].tag and shard != "fsdp")
+        roles["trainer"] = trainer("trainer", n_trainer, generates)
+        if place.reward:
+            roles["reward"] = RoleMemory("reward", place.reward, capacity=capacity,
+                                         notes=["reward models are not planned (OCR runs on the host, remote "
+                                                "rewards on their own servers)"])
+    return MemoryPlan(m.name, getattr(parts, "variant", ""), m.preset, device, capacity, shard, n_transformer, n_text,
+                      n_vae, rows, ACTIVATIONS_METHOD, roles,
+                      train_row_bytes=(train_act - one_row_act) // (rows - 1) if rows > 1 else one_row_act,
+                      train_activations=train_act)
+
+
+def _advice(cfg: Config, plan: MemoryPlan, r: RoleMemory) -> str:
+    """The config key to change for a role that does not fit, and to what."""
+    over = -r.headroom
+    tr = cfg.train
+    if r.role in ("trainer", "colocated"):
+        if r.role == "colocated" and cfg.model.device.startswith("cuda"):
+            lead = ("schedule.name: the colocated loop keeps weights, optimizer state, VAE and the rollout "
+                    "activations of the whole batch on one device; use an actor schedule (async1) that spreads them")
+        else:
+            lead = ""
+        options = []
+        if not tr.grad_checkpointing and r.activations > over:
+            options.append("train.grad_checkpointing = true (recompute blocks in backward)")
+        if plan.rows_per_pass > 1 and r.activations <= plan.train_activations:
+            fixed = r.bytes_per_device - r.activations
+            room = r.capacity - RESERVE_BYTES - fixed
+            most = room // max(1, plan.train_row_bytes)
+            if most >= 1:
+                options.append(f"train.rows_per_pass = {min(int(most), plan.rows_per_pass - 1)} or less")
+        if cfg.placement.trainer > 1 and plan.shard != "fsdp" and r.role == "trainer":
+            options.append("train.shard = 'fsdp' (weights, gradients and Adam states split over the trainers)")
+        if cfg.model.finetune == "full":
+            options.append("model.finetune = 'lora'")
+        hint = "; or ".join(options) or "a larger placement.gpu"
+        return f"{lead}; or {hint}" if lead else f"change {hint}"
+    if r.role == "rollout":
+        options = []
+        if r.text_encoders:
+            options.append("model.offload_text_encoder = true")
+        options.append("schedule.fragment_groups (fewer prompts per rollout token) or schedule.rollout_batch")
+        return "change " + "; or ".join(options)
+    return "change placement.gpu"
+
+
+def check_memory(cfg: Config, plan: MemoryPlan | None = None) -> MemoryPlan:
+    """The plan of ``cfg``, or a ConfigError for the first role that does not fit its device.
+
+    Raises:
+        ConfigError: naming the role, the bytes it needs and the key to change.
+    """
+    plan = plan or memory_plan(cfg)
+    for r in plan.roles.values():
+        if not r.fits:
+            raise ConfigError(
+                f"memory: the {r.role} role needs {r.bytes_per_device / GB:.1f} GB per device but a {plan.device} "
+                f"has {(r.capacity - RESERVE_BYTES) / GB:.1f} GB usable (weights {r.weights / GB:.1f}, trainable "
+                f"{r.trainable / GB:.1f}, grads {r.grads / GB:.1f}, optimizer {r.optimizer / GB:.1f}, activations "
+                f"{r.activations / GB:.1f}, VAE {r.vae / GB:.1f}, text encoders {r.text_encoders / GB:.1f}); "
+                f"{_advice(cfg, plan, r)} (see `digenrl plan`)")
+    return plan

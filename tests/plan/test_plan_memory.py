@@ -1,0 +1,90 @@
+"""The memory plan: byte counts from independent arithmetic, shipped configs fit, refusals name the key."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from digenrl.config import load_config
+from digenrl.errors import ConfigError
+from digenrl.plan.memory import check_memory, lora_params, memory_plan
+from digenrl_cli.main import app
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+PUBLISHED = {"qwenimage": 20.43e9, "flux": 11.90e9, "wan21": 1.42e9, "hunyuanvideo": 12.82e9}
+
+
+@pytest.mark.parametrize("name", ["qwenimage", "flux", "wan21", "hunyuanvideo"])
+def test_shipped_config_counts_the_published_model_and_fits_an_h100(name: str, tmp_path: Path) -> None:
+    file = {"wan21": "wan21", "hunyuanvideo": "hunyuanvideo"}.get(name, name)
+    out = tmp_path / "plan.json"
+    res = CliRunner().invoke(app, ["plan", str(CONFIGS / f"{file}.toml"), "--json", str(out)])
+    assert res.exit_code == 0, res.output
+    plan = json.loads(out.read_text())
+    assert abs(plan["model"]["transformer_params"] / PUBLISHED[name] - 1) < 0.02
+    assert plan["device"]["type"] == "H100"
+    for role in ("rollout", "trainer"):
+        assert plan["roles"][role]["fits"] is True
+        assert 0 < plan["roles"][role]["bytes_per_device"] < 78e9
+
+
+def test_trainer_bytes_follow_the_arithmetic() -> None:
+    cfg = load_config(CONFIGS / "qwenimage.toml")
+    plan = memory_plan(cfg)
+    tr, n = plan.roles["trainer"], plan.transformer_params
+    lora = tr.trainable_params
+    assert tr.weights == n * 2  # bf16, replicated (LoRA, ddp)
+    assert tr.trainable == lora * 2 + lora * 4  # bf16 adapters + fp32 master
+    assert tr.grads == lora * 4 and tr.optimizer == lora * 8  # fp32 grads, Adam's two fp32 moments
+    assert tr.reference == 0  # LoRA's reference is the base with adapters off
+    fsdp = memory_plan(load_config(CONFIGS / "qwenimage.toml", ["train.shard=fsdp"])).roles["trainer"]
+    assert fsdp.grads == lora * 4 // 4 and fsdp.optimizer == lora * 8 // 4  # split over 4 trainers
+    assert n * 2 // 4 < fsdp.weights < n * 2 // 4 + 2e9  # a quarter, plus two gathered blocks
+    no_master = memory_plan(load_config(CONFIGS / "qwenimage.toml", ["train.fp32_master=false"])).roles["trainer"]
+    assert no_master.trainable == lora * 2 and no_master.grads == lora * 2
+
+
+def test_lora_count_matches_peft_on_the_tiny_model() -> None:
+    from digenrl.models import load_model
+    from digenrl.models.lora import apply_lora
+
+    for name, targets in (("qwenimage", "[]"), ("flux", "[]"), ("qwenimage", '["to_q", "proj_out"]')):
+        cfg = load_config(CONFIGS / "tiny-qwenimage.toml", [f"model.name={name}", f"model.lora_targets={targets}"])
+        model = load_model(name, "tiny")
+        expected = lora_params(cfg, model.transformer)
+        params = apply_lora(model, rank=cfg.model.lora_rank, target_modules=cfg.model.lora_targets or None)
+        assert sum(p.numel() for p in params) == expected
+
+
+def test_activations_grow_with_rows_and_shrink_with_checkpointing() -> None:
+    base = memory_plan(load_config(CONFIGS / "flux.toml", ["train.rows_per_pass=8"])).train_activations
+    more = memory_plan(load_config(CONFIGS / "flux.toml", ["train.rows_per_pass=16"])).train_activations
+    off = memory_plan(load_config(CONFIGS / "flux.toml", ["train.rows_per_pass=8", "train.grad_checkpointing=false"]))
+    assert 1.8 < more / base < 2.1
+    assert off.train_activations > 5 * base
+
+
+@pytest.mark.parametrize("overrides,key", [
+    (["schedule.name=colocated"], "schedule.name"),
+    (["train.grad_checkpointing=false"], "train.grad_checkpointing"),
+    (["train.rows_per_pass=64"], "train.rows_per_pass"),
+    (["model.finetune=full", "train.shard=ddp"], "train.shard"),
+])
+def test_a_config_that_does_not_fit_names_the_key(overrides: list[str], key: str) -> None:
+    cfg = load_config(CONFIGS / "qwenimage.toml", overrides)
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        check_memory(cfg)
+
+
+def test_run_checks_memory_before_spawning_anything() -> None:
+    res = CliRunner().invoke(app, ["run", str(CONFIGS / "qwenimage.toml"), "--set", "schedule.name=colocated"])
+    assert res.exit_code == 2
+    assert "colocated role needs" in res.output and "schedule.name" in res.output
+
+
+def test_tiny_config_fits_this_host() -> None:
+    plan = check_memory(load_config(CONFIGS / "tiny-qwenimage.toml"))
+    assert plan.device == "cpu" and plan.fits
