@@ -31,8 +31,8 @@ def _load(config: Path, overrides: list[str] | None, validate_only: bool = False
         if not validate_only:
             from digenrl.plan.memory import check_memory
 
-            check_memory(cfg)  # before anything is spawned: every role must fit its device
             check_runnable(cfg)
+            check_memory(cfg)  # before anything is spawned: every role must fit its device
         if cfg.disaggregated:
             check_bind_address(cfg.transport.address, "transport.address")
         return cfg

@@ -79,10 +79,18 @@ def test_a_config_that_does_not_fit_names_the_key(overrides: list[str], key: str
         check_memory(cfg)
 
 
-def test_run_checks_memory_before_spawning_anything() -> None:
-    res = CliRunner().invoke(app, ["run", str(CONFIGS / "qwenimage.toml"), "--set", "schedule.name=colocated"])
-    assert res.exit_code == 2
-    assert "colocated role needs" in res.output and "schedule.name" in res.output
+def test_run_checks_memory_before_spawning_anything(tmp_path: Path) -> None:
+    # the tiny model at 4096^2 on this host: one pass over the whole batch's rows cannot fit its memory
+    res = CliRunner().invoke(app, ["run", str(CONFIGS / "tiny-qwenimage.toml"), "--set", "model.resolution=[4096, 4096]",
+                                   "--out", str(tmp_path / "run")])
+    assert res.exit_code == 2, res.output
+    assert "memory: the rollout role needs" in res.output and "schedule.fragment_groups" in res.output
+    assert not (tmp_path / "run").exists()  # nothing was started
+
+
+def test_colocated_baseline_of_a_real_config_does_not_fit() -> None:
+    with pytest.raises(ConfigError, match=r"colocated role needs .* schedule\.name"):
+        check_memory(load_config(CONFIGS / "qwenimage.toml", ["schedule.name=colocated"]))
 
 
 def test_tiny_config_fits_this_host() -> None:
