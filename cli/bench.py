@@ -21,6 +21,7 @@ _EPILOG = examples(
     "digenrl bench bubbles --scenario qwen-16 --out runs/bubbles",
     "digenrl bench bubbles --scenario scale-1024 --schedule colocated --schedule async1 --batches 100",
     "digenrl bench bubbles --scenario flux-32 --schedule async1 --schedule verl-omni-async  # digenrl vs a peer",
+    "digenrl bench bubbles --scenario my-cluster.toml        # your fleet and workload (see digenrl/sim/user.py)",
     "digenrl bench bubbles --list",
     "digenrl bench bubbles --real --batches 20 --repeats 3 --out runs/real  # the tiny model, for real, here",
 )
@@ -28,7 +29,8 @@ _EPILOG = examples(
 
 @bench_app.command("bubbles", epilog=_EPILOG)
 def bubbles(
-    scenario: list[str] = typer.Option(None, "--scenario", help="Scenario name (repeatable); default: paper + hetero."),
+    scenario: list[str] = typer.Option(None, "--scenario", help="Scenario name or a user scenario FILE.toml "
+                                       "(repeatable); default: paper + hetero."),
     schedule: list[str] = typer.Option(None, "--schedule", help="Schedule or peer name (repeatable); default: all "
                                        "of digenrl's schedules and the modelled peers."),
     batches: int = typer.Option(20, "--batches", min=2, help="Optimizer steps per simulated run."),

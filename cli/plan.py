@@ -22,7 +22,7 @@ GB = 1e9
 def format_plan(plan: MemoryPlan) -> str:
     """A readable table: one column per role, one row per kind of memory (GB per device)."""
     roles = list(plan.roles.values())
-    rows = [("devices", lambda r: f"{r.devices}"),
+    rows = [("devices", lambda r: f"{r.devices} x {r.device}"),
             ("weights", lambda r: f"{r.weights / GB:.2f}"),
             ("reference", lambda r: f"{r.reference / GB:.2f}"),
             ("trainable", lambda r: f"{r.trainable / GB:.2f}"),
@@ -32,7 +32,7 @@ def format_plan(plan: MemoryPlan) -> str:
             ("VAE", lambda r: f"{r.vae / GB:.2f}"),
             ("text encoders", lambda r: f"{r.text_encoders / GB:.2f}"),
             ("total / device", lambda r: f"{r.bytes_per_device / GB:.2f}"),
-            (f"headroom on {plan.device}", lambda r: f"{r.headroom / GB:.2f}"),
+            ("headroom", lambda r: f"{r.headroom / GB:.2f}"),
             ("fits", lambda r: "yes" if r.fits else "NO"),
             ("host (offloaded)", lambda r: f"{r.host_bytes / GB:.2f}")]
     width = max(len(name) for name, _ in rows) + 2
@@ -42,6 +42,7 @@ def format_plan(plan: MemoryPlan) -> str:
              f"device {plan.device}: {plan.capacity / GB:.1f} GB, 2 GB kept for the CUDA context and allocator",
              "GB per device".ljust(width) + "".join(r.role.rjust(12) for r in roles)]
     lines += [name.ljust(width) + "".join(fmt(r).rjust(12) for r in roles) for name, fmt in rows]
+    lines[1] = f"device {', '.join(sorted({f'{r.device} {r.capacity / GB:.0f} GB' for r in roles}))}; 2 GB each kept for the CUDA context and allocator"
     lines.append(f"activations: {plan.activations}")
     lines += [f"{r.role}: {note}" for r in roles for note in r.notes]
     return "\n".join(lines)
@@ -51,12 +52,22 @@ def plan(
     config: Annotated[Path, typer.Argument(help="A TOML config, e.g. configs/qwenimage.toml.")],
     set_: Annotated[list[str] | None, typer.Option("--set", help=_SET_HELP)] = None,
     json_out: Annotated[Path | None, typer.Option("--json", help="Also write the plan as JSON here.")] = None,
+    fleet: Annotated[str | None, typer.Option("--fleet", help="Search the split for a fleet: 16xH800, "
+                                              "8xH800+16xL40S, or a scenario FILE.toml (its [[pools]]).")] = None,
+    write: Annotated[Path | None, typer.Option("--write", help="--fleet: write the best placement as a runnable "
+                                               "config here.")] = None,
+    top: Annotated[int, typer.Option("--top", min=1, help="--fleet: how many placements to show.")] = 5,
+    batches: Annotated[int, typer.Option("--batches", min=3, help="--fleet: optimizer steps per simulation.")] = 6,
 ) -> None:
     """Memory per role and device at the model's real size (built on the meta device, no weights);
-    exits 1 when a role does not fit, naming the key to change."""
+    exits 1 when a role does not fit, naming the key to change. With --fleet: the best placements of
+    the config on that fleet (the simulator running the real schedule code, every role within memory)."""
     from digenrl.config import load_config
     from digenrl.plan.memory import check_memory, memory_plan
 
+    if fleet is not None:
+        _fleet(config, set_ or [], fleet, write, top, batches, json_out)
+        return
     try:
         cfg = load_config(config, set_ or [])
         result = memory_plan(cfg)
@@ -72,7 +83,41 @@ def plan(
     except ConfigError as exc:
         typer.secho(f"does not fit: {exc}", fg=typer.colors.RED, err=True)
         raise typer.Exit(1) from exc
-    typer.echo(f"fits: every role has headroom on {result.device}")
+    typer.echo("fits: every role has headroom on its device")
+
+
+def _fleet(config: Path, overrides: list[str], fleet: str, write: Path | None, top: int, batches: int,
+           json_out: Path | None) -> None:
+    import time
+
+    from digenrl.config import load_config
+    from digenrl.plan.fleet import plan_fleet, write_config
+    from digenrl.sim.user import fleet_pools, load_scenario
+
+    start = time.perf_counter()
+    try:
+        cfg = load_config(config, overrides)
+        pools = load_scenario(fleet).pools if fleet.endswith(".toml") else fleet_pools(fleet)
+        result = plan_fleet(cfg, pools, top=top, batches=batches)
+    except ConfigError as exc:
+        typer.secho(f"plan error: {exc}", fg=typer.colors.RED, err=True)
+        raise typer.Exit(2) from exc
+    header = f"{'#':>2}  {'split':44s} {'tag_steps':>9} {'frag_groups':>11} {'rows/pass':>9} {'samples/s':>10} " \
+             f"{'bubble R':>8} {'bubble T':>8} {'stale':>5}  memory GB / device"
+    lines = [f"{cfg.model.name} on {fleet}, schedule {cfg.schedule.name}: {result.simulations} simulations in "
+             f"{time.perf_counter() - start:.1f} s", header]
+    for i, c in enumerate(result.candidates, 1):
+        mem = ", ".join(f"{role} {m['gb']:.0f}/{m['capacity_gb']:.0f} {m['device']}" for role, m in c.memory.items())
+        lines.append(f"{i:>2}  {c.split:44s} {c.tag_steps:>9} {c.fragment_groups:>11} {c.rows_per_pass:>9} "
+                     f"{c.samples_per_s:>10.3f} {c.bubble_rollout:>8.1%} {c.bubble_trainer:>8.1%} {c.staleness:>5}  {mem}")
+    lines += [f"unused: {u}" for u in result.unused] + [f"note: {n}" for n in result.notes]
+    typer.echo("\n".join(lines))
+    if json_out is not None:
+        json_out.parent.mkdir(parents=True, exist_ok=True)
+        json_out.write_text(json.dumps(result.to_json(), indent=2))
+    if write is not None:
+        write_config(config, overrides, result.best, write)
+        typer.echo(f"wrote {write}: digenrl run {write}")
 
 
 def register(app: typer.Typer) -> None:
@@ -80,4 +125,7 @@ def register(app: typer.Typer) -> None:
     app.command("plan", epilog=examples(
         "digenrl plan configs/qwenimage.toml",
         "digenrl plan configs/wan21.toml --set model.variant=14B --json runs/plan-wan14b.json",
-        "digenrl plan configs/qwenimage.toml --set schedule.name=colocated   # the baseline on one GPU"))(plan)
+        "digenrl plan configs/qwenimage.toml --set schedule.name=colocated   # the baseline on one GPU",
+        "digenrl plan configs/qwenimage.toml --fleet 32xH800 --write runs/qwen-32.toml",
+        "digenrl plan configs/flux.toml --fleet 8xH800+16xL40S",
+        "digenrl plan configs/flux.toml --fleet my-cluster.toml   # [[pools]] device, count, roles"))(plan)

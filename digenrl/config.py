@@ -311,11 +311,14 @@ class PlacementConfig:
     workers: int = 0
     join_timeout: float = 600.0  # seconds to wait for the workers to join
     gpu: str = "H100"  # the accelerator type each actor gets (the memory plan's headroom; `digenrl plan`)
+    rollout_gpu: str = ""  # a heterogeneous fleet: the rollout actors' type ("" = gpu)
 
     def __post_init__(self) -> None:
         from digenrl.sim.devices import CATALOG
 
         _choice("placement.gpu", self.gpu, tuple(CATALOG))
+        if self.rollout_gpu:
+            _choice("placement.rollout_gpu", self.rollout_gpu, tuple(CATALOG))
         _check("placement.threads", self.threads >= 1, ">= 1", self.threads)
         _check("placement.rollout", self.rollout >= 0, ">= 0 (0: trainers generate, needs TAG)", self.rollout)
         _check("placement.trainer", self.trainer >= 1, ">= 1", self.trainer)

@@ -23,6 +23,7 @@ host's memory. ``RESERVE_BYTES`` per device is kept back for the CUDA context an
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from dataclasses import asdict, dataclass, field
@@ -49,6 +50,7 @@ class RoleMemory:
 
     role: str
     devices: int
+    device: str = ""  # the device type it runs on
     weights: int = 0
     reference: int = 0
     trainable_params: int = 0
@@ -116,30 +118,38 @@ class MemoryPlan:
         }
 
 
-def device_capacity(cfg: Config) -> tuple[str, int]:
-    """(device type, bytes per device): ``placement.gpu`` on CUDA, this host's memory on CPU."""
+def device_capacity(cfg: Config, role: str = "trainer") -> tuple[str, int]:
+    """(device type, bytes per device) of ``role``: ``placement.gpu`` (``rollout_gpu`` for rollout actors
+    when set) on CUDA, this host's memory on CPU."""
     if cfg.model.device.startswith("cuda"):
         from digenrl.sim.devices import device_spec
 
-        return cfg.placement.gpu, int(device_spec(cfg.placement.gpu).memory_bytes)
+        gpu = cfg.placement.rollout_gpu if role == "rollout" and cfg.placement.rollout_gpu else cfg.placement.gpu
+        return gpu, int(device_spec(gpu).memory_bytes)
     return "cpu", os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def _components(cfg: Config, dtype: torch.dtype) -> Any:
+    m = cfg.model
+    return _build_components(m.name, m.variant, m.preset, m.seed, dtype)
+
+
+@functools.lru_cache(maxsize=4)
+def _build_components(name: str, variant: str, preset: str, seed: int, dtype: torch.dtype) -> Any:
+    """The model's parts on the meta device (cached: a plan search asks for them per candidate)."""
     from digenrl.models.full import FullModel, build_full, cast_quietly
 
-    m = cfg.model
-    if m.preset in ("pretrained", "full"):
-        return build_full(m.name, m.variant, dtype)
+    if preset in ("pretrained", "full"):
+        return build_full(name, variant, dtype)
     import importlib
 
-    module = {"qwenimage": "qwenimage", "flux": "flux", "wan21": "wan", "hunyuanvideo": "hunyuan"}[m.name]
+    module = {"qwenimage": "qwenimage", "flux": "flux", "wan21": "wan", "hunyuanvideo": "hunyuan"}[name]
     builder = getattr(importlib.import_module(f"digenrl.models.{module}"), f"build_{module}_pipeline")
-    pipe = builder(m.preset, m.seed)  # a tiny preset builds in moments; then only its shapes are kept
+    pipe = builder(preset, seed)  # a tiny preset builds in moments; then only its shapes are kept
     texts = {k: getattr(pipe, k) for k in ("text_encoder", "text_encoder_2") if getattr(pipe, k, None) is not None}
     for part in (pipe.transformer, pipe.vae, *texts.values()):
         cast_quietly(part.to("meta"), dtype)
-    return FullModel(m.name, m.preset, pipe.transformer, pipe.vae, texts)
+    return FullModel(name, preset, pipe.transformer, pipe.vae, texts)
 
 
 def _numel(module: torch.nn.Module) -> int:
@@ -186,42 +196,86 @@ def _cfg_branches(cfg: Config) -> int:
     return 2 if cfg.model.name in ("qwenimage", "wan21") and cfg.model.guidance_scale > 1.0 else 1
 
 
-def _traces(cfg: Config, parts: Any, rows: int, roll: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
-    """(train peak for ``rows`` forward rows, the same for one row, rollout forward peak, decode peak per sample)."""
-    from digenrl.plan.trace import trace_decode, trace_extrapolated, transformer_inputs
+class Traces:
+    """Activation peaks of one model setup, traced on demand and memoised.
 
-    m = cfg.model
-    h, w = m.resolution
-    text_len = m.text_len or (_TEXT_LEN[m.name] if m.preset in ("pretrained", "full") else 32)
+    ``train(rows)`` / ``forward(rows)``: the peak of a training pass / a no-grad forward of that many
+    forward rows; ``decode()``: decoding one sample. ``linear=True`` traces each curve at one and two
+    CFG-row batches only and extends it linearly (activations grow linearly in the batch): what a plan
+    search uses to price hundreds of candidates; the chosen one is then checked with exact traces.
+    """
 
-    def inputs(n: int) -> Any:
-        return lambda tr: transformer_inputs(m.name, tr, n, h, w, m.num_frames, text_len, dtype)
+    def __init__(self, cfg: Config, parts: Any, dtype: torch.dtype, *, linear: bool = False) -> None:
+        m = cfg.model
+        self.cfg, self.parts, self.dtype, self.linear = cfg, parts, dtype, linear
+        self.branches = _cfg_branches(cfg)
+        self.text_len = m.text_len or (_TEXT_LEN[m.name] if m.preset in ("pretrained", "full") else 32)
+        self._memo: dict[tuple[str, int], int] = {}
 
-    ckpt = cfg.train.grad_checkpointing
-    train = trace_extrapolated(m.name, parts.transformer, inputs(rows), train=True, checkpointing=ckpt)
-    one = trace_extrapolated(m.name, parts.transformer, inputs(_cfg_branches(cfg)), train=True, checkpointing=ckpt)
-    forward = trace_extrapolated(m.name, parts.transformer, inputs(roll), train=False, checkpointing=False)
-    decode = trace_decode(m.name, parts.vae, h, w, m.num_frames)
-    return train, one, forward, decode
+    def _trace(self, kind: str, rows: int) -> int:
+        from digenrl.plan.trace import trace_decode, trace_extrapolated, transformer_inputs
+
+        key = (kind, rows)
+        if key not in self._memo:
+            m, parts = self.cfg.model, self.parts
+            h, w = m.resolution
+            if kind == "decode":
+                self._memo[key] = trace_decode(m.name, parts.vae, h, w, m.num_frames)
+            else:
+                def inputs(tr: torch.nn.Module) -> Any:
+                    return transformer_inputs(m.name, tr, rows, h, w, m.num_frames, self.text_len, self.dtype)
+
+                train = kind == "train"
+                self._memo[key] = trace_extrapolated(m.name, parts.transformer, inputs, train=train,
+                                                     checkpointing=train and self.cfg.train.grad_checkpointing)
+        return self._memo[key]
+
+    def _curve(self, kind: str, rows: int) -> int:
+        if not self.linear or rows <= 2 * self.branches:
+            return self._trace(kind, rows)
+        one, two = self._trace(kind, self.branches), self._trace(kind, 2 * self.branches)
+        return one + (two - one) * (rows - self.branches) // self.branches
+
+    def train(self, rows: int) -> int:
+        return self._curve("train", rows)
+
+    def forward(self, rows: int) -> int:
+        return self._curve("forward", rows)
+
+    def decode(self) -> int:
+        return self._trace("decode", 1)
 
 
-def memory_plan(cfg: Config) -> MemoryPlan:
-    """The footprint of every role of ``cfg`` on its devices (see the module docstring)."""
+def traces_for(cfg: Config, *, linear: bool = False) -> Traces:
+    """A :class:`Traces` of ``cfg``'s model (the parts are built once per process and kept)."""
+    dtype = _DTYPES[cfg.model.dtype]
+    return Traces(cfg, _components(cfg, dtype), dtype, linear=linear)
+
+
+def memory_plan(cfg: Config, traces: Traces | None = None) -> MemoryPlan:
+    """The footprint of every role of ``cfg`` on its devices (see the module docstring).
+
+    ``traces``: activation peaks to reuse (a plan search passes one linear :class:`Traces` for all its
+    candidates); default: exact traces of this config.
+    """
     m, tr, place = cfg.model, cfg.train, cfg.placement
     dtype = _DTYPES[m.dtype]
     nbytes = torch.finfo(dtype).bits // 8
     parts = _components(cfg, dtype)
+    traces = traces or Traces(cfg, parts, dtype)
     n_transformer = _numel(parts.transformer)
     n_text = sum(_numel(t) for t in parts.text_encoders.values())
     n_vae = _numel(parts.vae)
     device, capacity = device_capacity(cfg)
+    rollout_device, rollout_capacity = device_capacity(cfg, "rollout")
     colocated = cfg.schedule.name == "colocated"
     n_trainer = 1 if colocated else place.trainer
     shard = cfg.shard if not colocated else "none"
 
     rows, roll_samples = _sizes(cfg)
     branches = _cfg_branches(cfg)
-    train_act, one_row_act, forward_act, decode_act = _traces(cfg, parts, rows * branches, roll_samples * branches, dtype)
+    train_act, one_row_act = traces.train(rows * branches), traces.train(branches)
+    forward_act, decode_act = traces.forward(roll_samples * branches), traces.decode()
     decode_peak = decode_act * roll_samples
     rollout_act = max(forward_act, decode_peak)
 
@@ -234,7 +288,7 @@ def memory_plan(cfg: Config) -> MemoryPlan:
     vae_bytes = n_vae * nbytes
 
     def trainer(role: str, devices: int, generates: bool) -> RoleMemory:
-        r = RoleMemory(role, devices, capacity=capacity, trainable_params=n_train)
+        r = RoleMemory(role, devices, device, capacity=capacity, trainable_params=n_train)
         r.weights = n_transformer * nbytes // div
         if shard == "fsdp":
             r.weights += 2 * _largest_block(parts.transformer) * nbytes  # the gathered block and the prefetched one
@@ -258,7 +312,7 @@ def memory_plan(cfg: Config) -> MemoryPlan:
         roles["colocated"] = trainer("colocated", 1, True)
     else:
         if place.rollout:
-            r = RoleMemory("rollout", place.rollout, capacity=capacity)
+            r = RoleMemory("rollout", place.rollout, rollout_device, capacity=rollout_capacity)
             r.weights = n_transformer * nbytes
             r.trainable_params = n_train if lora else 0
             r.trainable = n_train * nbytes if lora else 0
@@ -271,7 +325,7 @@ def memory_plan(cfg: Config) -> MemoryPlan:
         generates = place.rollout == 0 or (PRESETS[cfg.schedule.name].tag and shard != "fsdp")
         roles["trainer"] = trainer("trainer", n_trainer, generates)
         if place.reward:
-            roles["reward"] = RoleMemory("reward", place.reward, capacity=capacity,
+            roles["reward"] = RoleMemory("reward", place.reward, device, capacity=capacity,
                                          notes=["reward models are not planned (OCR runs on the host, remote "
                                                 "rewards on their own servers)"])
     return MemoryPlan(m.name, getattr(parts, "variant", ""), m.preset, device, capacity, shard, n_transformer, n_text,
@@ -324,7 +378,7 @@ def check_memory(cfg: Config, plan: MemoryPlan | None = None) -> MemoryPlan:
     for r in plan.roles.values():
         if not r.fits:
             raise ConfigError(
-                f"memory: the {r.role} role needs {r.bytes_per_device / GB:.1f} GB per device but a {plan.device} "
+                f"memory: the {r.role} role needs {r.bytes_per_device / GB:.1f} GB per device but a {r.device} "
                 f"has {(r.capacity - RESERVE_BYTES) / GB:.1f} GB usable (weights {r.weights / GB:.1f}, trainable "
                 f"{r.trainable / GB:.1f}, grads {r.grads / GB:.1f}, optimizer {r.optimizer / GB:.1f}, activations "
                 f"{r.activations / GB:.1f}, VAE {r.vae / GB:.1f}, text encoders {r.text_encoders / GB:.1f}); "

@@ -105,11 +105,15 @@ SCENARIOS: dict[str, Scenario] = {
 
 
 def scenario(name: str) -> Scenario:
-    """Scenario by name.
+    """Scenario by name, or from a user scenario file (``*.toml``, see ``user.py``).
 
     Raises:
         ConfigError: unknown name; lists the known ones.
     """
+    if name.endswith(".toml"):
+        from digenrl.sim.user import load_scenario
+
+        return load_scenario(name).scenario
     if name not in SCENARIOS:
         raise ConfigError(f"unknown scenario {name!r}; known: {', '.join(SCENARIOS)}")
     return SCENARIOS[name]

@@ -1,0 +1,332 @@
+"""The split search of ``digenrl plan --fleet``: which devices generate, which train, and the token sizes.
+
+For a config (model, batch, schedule) and a fleet (pools of catalog devices, each with the roles it may
+hold), the search runs the real schedule code in the simulator (``sim.engine.simulate`` with the
+calibrated cost model) for candidate placements, subject to the memory plan (every role fits its
+device type), and ranks them by predicted steady samples/s:
+
+1. **Which device takes which role.** Devices are ordered by how much they should generate: those
+   that may not (or cannot, by memory) train first, then the slowest (a cheaper or slower device
+   generates, the fastest train). A split is "the first R devices generate". R is searched
+   coarse-to-fine: an even grid of at most 9 values over the feasible range, then the step halves
+   around the best until it is 1: about 9 + 2·log2(N/8) simulations for N devices.
+2. **Token sizes** for the best few splits: ``tag_steps`` (TAG helper granularity) and
+   ``fragment_groups`` (prompts per fragment: rollout batch and streaming) on a small grid, each
+   candidate checked against the rollout memory it implies.
+3. ``rows_per_pass``: the simulator's cost does not depend on it (a pass's launch latency is small
+   next to its compute), so it is the largest the trainer's memory allows, capped at a training
+   token's rows: fewer passes, no memory risk.
+
+Candidates are priced with linear activation traces (two traced batch sizes per curve); the chosen one
+is checked again with exact traces before it is returned. Each simulation runs ``batches`` optimizer
+steps (default 6: one warm-up, five steady) and costs time linear in devices x tokens, so a 1024-device
+search is about 25 simulations of 1024 devices: the split search stays logarithmic in the fleet.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import tomllib
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from digenrl.config import Config, load_config
+from digenrl.errors import ConfigError
+from digenrl.plan.memory import GB, MemoryPlan, Traces, check_memory, memory_plan, traces_for
+from digenrl.sim.user import ARCH_OF_MODEL, Pool
+
+__all__ = ["Candidate", "FleetPlan", "plan_fleet", "write_config"]
+
+
+@dataclass
+class Candidate:
+    """One placement and its predicted figures."""
+
+    rollout: dict[str, int]  # device type -> rollout devices of that type
+    trainer: dict[str, int]
+    tag_steps: int
+    fragment_groups: int
+    rows_per_pass: int
+    samples_per_s: float = 0.0
+    bubble_rollout: float = 0.0
+    bubble_trainer: float = 0.0
+    staleness: int = 0
+    memory: dict[str, dict[str, float]] = field(default_factory=dict)  # role -> {gb, capacity_gb, device}
+
+    @property
+    def split(self) -> str:
+        def side(d: dict[str, int]) -> str:
+            return "+".join(f"{n}x{t}" for t, n in d.items() if n) or "0"
+        return f"rollout {side(self.rollout)} / trainer {side(self.trainer)}"
+
+    def to_json(self) -> dict[str, Any]:
+        return {**dataclasses.asdict(self), "split": self.split}
+
+
+@dataclass
+class FleetPlan:
+    """The ranked candidates (best first) and what the search did."""
+
+    candidates: list[Candidate]
+    simulations: int
+    unused: list[str]
+    notes: list[str]
+
+    @property
+    def best(self) -> Candidate:
+        return self.candidates[0]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"candidates": [c.to_json() for c in self.candidates], "simulations": self.simulations,
+                "unused": self.unused, "notes": self.notes}
+
+
+def _variant(cfg: Config, rollout: dict[str, int], trainer: dict[str, int], tag_steps: int, fragment_groups: int,
+             rows: int) -> Config:
+    """``cfg`` placed as the candidate says (types: the trainers' for ``gpu``, the rollout's for ``rollout_gpu``)."""
+    n_roll, n_train = sum(rollout.values()), sum(trainer.values())
+    gpu = _smallest(trainer)
+    rollout_gpu = _smallest(rollout) if n_roll else ""
+    place = replace(cfg.placement, rollout=n_roll, trainer=n_train, gpu=gpu,
+                    rollout_gpu="" if rollout_gpu == gpu else rollout_gpu,
+                    workers=(n_roll + n_train + cfg.placement.reward) if cfg.placement.workers else 0)
+    sched = replace(cfg.schedule, tag_steps=tag_steps, fragment_groups=fragment_groups)
+    return replace(cfg, placement=place, schedule=sched, train=replace(cfg.train, rows_per_pass=rows),
+                   model=replace(cfg.model, device="cuda"))
+
+
+def _smallest(types: dict[str, int]) -> str:
+    """The device type with the least memory among those used (a role must fit all of them)."""
+    from digenrl.sim.devices import device_spec
+
+    used = [t for t, n in types.items() if n]
+    return min(used, key=lambda t: device_spec(t).memory_bytes) if used else "H100"
+
+
+def _max_rows(cfg: Config, traces: Traces, cap_rows: int) -> tuple[int, MemoryPlan | None]:
+    """The most training rows per pass (up to ``cap_rows``) with which every role fits, and that plan."""
+
+    def plan(rows: int) -> MemoryPlan:
+        return memory_plan(replace(cfg, train=replace(cfg.train, rows_per_pass=rows)), traces)
+
+    best = plan(1)
+    if not best.fits:
+        return 0, None
+    lo, hi = 1, cap_rows
+    while lo < hi:  # activations grow with the rows, so fitting is monotone
+        mid = (lo + hi + 1) // 2
+        candidate = plan(mid)
+        if candidate.fits:
+            lo, best = mid, candidate
+        else:
+            hi = mid - 1
+    return lo, best
+
+
+def plan_fleet(cfg: Config, pools: tuple[Pool, ...], *, top: int = 5, batches: int = 6) -> FleetPlan:
+    """Search placements of ``cfg`` on ``pools`` (see the module docstring); best first.
+
+    Raises:
+        ConfigError: no placement fits the fleet's memory, or the schedule cannot use the fleet.
+    """
+    from digenrl.policy import trained_steps
+    from digenrl.schedule import make_schedule
+    from digenrl.schedule.base import Device, Role, Workload
+    from digenrl.schedule.options import PRESETS, resolve, with_overrides
+    from digenrl.sim.calibration import calibrated_params
+    from digenrl.sim.cost import CostModel
+    from digenrl.sim.devices import device_spec
+    from digenrl.sim.engine import simulate
+    from digenrl.sim.profiles import profile
+    from digenrl.telemetry.stats import summarize
+
+    if cfg.schedule.name == "colocated":
+        raise ConfigError("schedule.name: 'colocated' has no split to search; plan an actor schedule (e.g. async1)")
+    ro = cfg.rollout
+    arch = ARCH_OF_MODEL[cfg.model.name]
+    prof = profile(arch)
+    params = calibrated_params()
+    workload = Workload(batches, ro.prompts_per_batch, ro.group_size, ro.num_steps, trained_steps(cfg))
+    tag = PRESETS[cfg.schedule.name].tag
+    traces = traces_for(cfg, linear=True)
+    notes = [f"simulated with the {prof.name} profile (paper resolution) and the calibrated cost model; "
+             f"memory from {cfg.model.name} {cfg.model.variant or ''} at its configured resolution".replace("  ", " ")]
+    ref = device_spec("H800").peak_bf16_flops
+
+    # -- which device types may hold which role (memory at the smallest token sizes) ----------------
+    n_total = sum(p.count for p in pools)
+
+    def role_ok(role: str, dtype: str) -> bool:
+        probe = _variant(cfg, {dtype: 1}, {dtype: max(1, n_total - 1)}, 1, 1, 1)
+        return memory_plan(probe, traces).roles[role].fits
+
+    types = {p.device for p in pools}
+    may_roll = {t for t in types if any(p.device == t and "rollout" in p.roles for p in pools) and role_ok("rollout", t)}
+    may_train = {t for t in types if any(p.device == t and "trainer" in p.roles for p in pools)
+                 and role_ok("trainer", t)}
+    unused = [f"{p.count}x{p.device} (no role fits its {device_spec(p.device).memory_bytes / GB:.0f} GB or is allowed)"
+              for p in pools if p.device not in may_roll | may_train]
+    if not may_train:
+        raise ConfigError(f"the fleet has no device type whose memory holds a trainer of {cfg.model.name} "
+                          "(see `digenrl plan CONFIG`); change train.rows_per_pass, train.grad_checkpointing, "
+                          "train.shard or model.finetune, or add larger devices")
+
+    # devices in generation-preference order: rollout-only first, then slowest first
+    order: list[str] = []
+    for p in sorted(pools, key=lambda p: (p.device in may_train, device_spec(p.device).peak_bf16_flops)):
+        if p.device in may_roll | may_train:
+            order += [p.device] * p.count
+    must_roll = sum(1 for t in order if t not in may_train)
+    can_roll = sum(1 for t in order if t in may_roll)
+    lo = must_roll if tag else max(1, must_roll)  # no rollout device at all: only with TAG (trainers generate)
+    hi = min(can_roll, len(order) - 1)
+    if lo > hi:
+        raise ConfigError(f"no split of the fleet leaves both a trainer and (for {cfg.schedule.name}) a rollout device "
+                          "that fit their memory")
+
+    opts = with_overrides(PRESETS[cfg.schedule.name], cfg.schedule_options)
+    simulations = 0
+    results: dict[tuple[int, int, int], Candidate] = {}
+
+    def sides(r: int) -> tuple[dict[str, int], dict[str, int]]:
+        roll: dict[str, int] = {}
+        train: dict[str, int] = {}
+        for i, t in enumerate(order):
+            side = roll if i < r else train
+            side[t] = side.get(t, 0) + 1
+        return roll, train
+
+    def evaluate(r: int, tag_steps: int, groups: int) -> Candidate | None:
+        nonlocal simulations
+        key = (r, tag_steps, groups)
+        if key in results:
+            return results[key]
+        roll, train = sides(r)
+        n_roll, n_train = sum(roll.values()), sum(train.values())
+        if n_train == 0 or any(t not in may_train for t in train) or any(t not in may_roll for t in roll):
+            return None
+        sizes = resolve(replace(opts, tag_steps=tag_steps or None, fragment_groups=groups or None), workload,
+                        n_roll, n_train)
+        variant = _variant(cfg, roll, train, sizes.tag_steps, sizes.fragment_groups, 1)
+        rows, plan = _max_rows(variant, traces, max(1, sizes.train_pack))
+        if plan is None:
+            return None
+        names, specs, roles = [], {}, {}
+        for i, t in enumerate(order):
+            name = f"{t.lower()}-{i}"
+            names.append(name)
+            specs[name] = device_spec(t)
+            roles[name] = Role.ROLLOUT if i < r else Role.TRAINER
+        devices = [Device(n, roles[n], specs[n].peak_bf16_flops / ref) for n in names]
+        cost = CostModel(prof, specs, params, roles)
+        schedule = make_schedule(cfg.schedule.name, devices, workload, cost, tag_steps=sizes.tag_steps,
+                                 fragment_groups=sizes.fragment_groups,
+                                 **{k: v for k, v in cfg.schedule_options.items() if k not in ("tag_steps",
+                                                                                               "fragment_groups")},
+                                 **({"staleness": cfg.schedule.staleness} if cfg.schedule.staleness else {}))
+        st = summarize(simulate(schedule, devices, workload, cost))
+        simulations += 1
+        cand = Candidate(roll, train, sizes.tag_steps, sizes.fragment_groups, rows, st.steady.samples_per_s,
+                         st.steady.bubble_rollout, st.steady.bubble_trainer, st.max_staleness,
+                         {name: {"gb": m.bytes_per_device / GB, "capacity_gb": m.capacity / GB, "device": m.device}
+                          for name, m in plan.roles.items()})
+        results[key] = cand
+        return cand
+
+    def score(c: Candidate | None) -> float:
+        return c.samples_per_s if c else -1.0
+
+    # 1. the split, coarse to fine, with the config's token sizes
+    base_tag, base_groups = cfg.schedule.tag_steps, cfg.schedule.fragment_groups
+    step = max(1, math.ceil((hi - lo) / 8))
+    grid = sorted({*range(lo, hi + 1, step), hi})
+    best_r = max(grid, key=lambda r: score(evaluate(r, base_tag, base_groups)))
+    while step > 1:
+        step = max(1, step // 2)
+        for r in (best_r - step, best_r + step):
+            if lo <= r <= hi:
+                evaluate(r, base_tag, base_groups)
+        best_r = max((k[0] for k in results if k[1:] == (base_tag, base_groups)),
+                     key=lambda r: score(results.get((r, base_tag, base_groups))))
+    # 2. token sizes for the three best splits
+    splits = sorted({k[0] for k in results}, key=lambda r: -score(results.get((r, base_tag, base_groups))))[:3]
+    quarter = max(1, math.ceil(ro.num_steps / 4))
+    tag_options = sorted({1, 2, quarter, math.ceil(quarter / 2)}) if tag else [0]
+    group_options = sorted({g for g in (1, 2, 4) if g <= ro.prompts_per_batch} | {0})
+    for r in splits:
+        for t in tag_options:
+            for g in group_options:
+                evaluate(r, t, g)
+    ranked = sorted((c for c in results.values() if c is not None), key=lambda c: -c.samples_per_s)
+    # distinct placements only (two keys can resolve to the same sizes)
+    seen, unique = set(), []
+    for c in ranked:
+        ident = (tuple(c.rollout.items()), tuple(c.trainer.items()), c.tag_steps, c.fragment_groups)
+        if ident not in seen:
+            seen.add(ident)
+            unique.append(c)
+    if not unique:
+        raise ConfigError("no placement of the fleet fits the memory plan; see `digenrl plan CONFIG`")
+    # the chosen placement again with exact activation traces (the search priced them linearly)
+    while unique:
+        best = unique[0]
+        try:
+            check_memory(_variant(cfg, best.rollout, best.trainer, best.tag_steps, best.fragment_groups,
+                                  best.rows_per_pass))
+            break
+        except ConfigError:
+            unique.pop(0)
+    if not unique:
+        raise ConfigError("no placement of the fleet fits the memory plan; see `digenrl plan CONFIG`")
+    notes.append("rows_per_pass: the largest the trainer memory allows (capped at a training token's rows); "
+                 "the simulator's cost does not depend on it")
+    return FleetPlan(unique[:top], simulations, unused, notes)
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return repr(value)
+    if isinstance(value, str):
+        import json
+
+        return json.dumps(value)
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{ " + ", ".join(f"{k} = {_toml_value(v)}" for k, v in value.items()) + " }"
+    raise TypeError(f"cannot write {value!r} to TOML")
+
+
+def write_config(source: Path, overrides: list[str], cand: Candidate, out: Path) -> Config:
+    """Write ``source`` (with ``overrides``) as a runnable config with the candidate's placement and sizes.
+
+    Returns the written config, loaded back (so validated) from ``out``.
+    """
+    from digenrl.config import apply_overrides
+
+    data = apply_overrides(tomllib.loads(source.read_text()), overrides)
+    cfg = load_config(source, overrides)
+    chosen = _variant(cfg, cand.rollout, cand.trainer, cand.tag_steps, cand.fragment_groups, cand.rows_per_pass)
+    place = data.setdefault("placement", {})
+    place.update(rollout=chosen.placement.rollout, trainer=chosen.placement.trainer, gpu=chosen.placement.gpu)
+    if chosen.placement.rollout_gpu:
+        place["rollout_gpu"] = chosen.placement.rollout_gpu
+    if cfg.placement.workers:
+        place["workers"] = chosen.placement.workers
+    data.setdefault("schedule", {}).update(tag_steps=cand.tag_steps, fragment_groups=cand.fragment_groups)
+    data.setdefault("train", {})["rows_per_pass"] = cand.rows_per_pass
+    lines = [f"# written by `digenrl plan {source} --fleet ...`: {cand.split}, predicted "
+             f"{cand.samples_per_s:.3f} samples/s (simulator), bubbles rollout {cand.bubble_rollout:.1%} / trainer "
+             f"{cand.bubble_trainer:.1%}, staleness {cand.staleness}"]
+    for table, values in data.items():
+        if not isinstance(values, dict):
+            lines.insert(1, f"{table} = {_toml_value(values)}")
+            continue
+        lines += ["", f"[{table}]"] + [f"{k} = {_toml_value(v)}" for k, v in values.items()]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text("\n".join(lines) + "\n")
+    return load_config(out)

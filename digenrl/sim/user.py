@@ -1,0 +1,138 @@
+"""User scenarios: a fleet and a workload from a small TOML file, for `digenrl bench bubbles` and `digenrl plan`.
+
+::
+
+    name = "my-cluster"           # optional; default: the file name
+    model = "flux"                # qwen-image | flux | wan | hunyuan-video (or qwenimage, wan21, hunyuanvideo)
+    prompts = 32                  # prompts per optimizer step
+    group_size = 12
+    num_steps = 16
+    trained_steps = 9             # trained transitions per sample
+    rollout_pool = "L40S"         # optional: the device type that generates in disaggregated schedules
+
+    [[pools]]                     # one table per device type
+    device = "H800"               # a digenrl.sim.devices catalog name
+    count = 8
+    roles = ["trainer"]           # optional: the roles `digenrl plan --fleet` may give this pool
+
+    [[pools]]
+    device = "L40S"
+    count = 16
+    roles = ["rollout"]
+
+Links come with the device type (NVLink / PCIe inside a node of 8, the type's NIC across nodes; see
+``devices.py``). ``fleet_pools`` parses the short form of the command line, ``16xH800`` or
+``8xH800+16xL40S``.
+"""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from digenrl.errors import ConfigError
+from digenrl.sim.devices import device_spec
+from digenrl.sim.scenarios import Scenario
+
+__all__ = ["Pool", "ROLES", "UserScenario", "load_scenario", "fleet_pools", "ARCH_OF_MODEL"]
+
+ROLES = ("rollout", "trainer")
+# digenrl model names -> the simulator's profile names
+ARCH_OF_MODEL = {"qwenimage": "qwen-image", "flux": "flux", "wan21": "wan", "hunyuanvideo": "hunyuan-video"}
+_ARCHS = ("qwen-image", "flux", "wan", "hunyuan-video")
+
+
+@dataclass(frozen=True, slots=True)
+class Pool:
+    """``count`` devices of one catalog type, and the roles a planner may give them."""
+
+    device: str
+    count: int
+    roles: tuple[str, ...] = ROLES
+
+
+@dataclass(frozen=True, slots=True)
+class UserScenario:
+    """A scenario read from a file, with its pools' role restrictions."""
+
+    scenario: Scenario
+    pools: tuple[Pool, ...]
+
+
+def _pool(item: Any, where: str) -> Pool:
+    if not isinstance(item, dict):
+        raise ConfigError(f"{where}: must be a table with device and count")
+    unknown = sorted(set(item) - {"device", "count", "roles"})
+    if unknown:
+        raise ConfigError(f"{where}.{unknown[0]}: unknown key; allowed: device, count, roles")
+    device = item.get("device")
+    if not isinstance(device, str):
+        raise ConfigError(f"{where}.device: a device type name is required")
+    spec = device_spec(device)  # raises naming the catalog
+    count = item.get("count")
+    if not isinstance(count, int) or isinstance(count, bool) or count < 1:
+        raise ConfigError(f"{where}.count: must be a positive integer, got {count!r}")
+    roles = item.get("roles", list(ROLES))
+    if not isinstance(roles, list) or not roles or any(r not in ROLES for r in roles):
+        raise ConfigError(f"{where}.roles: must be a non-empty list of {', '.join(ROLES)}, got {roles!r}")
+    return Pool(spec.name, count, tuple(roles))
+
+
+def fleet_pools(spec: str) -> tuple[Pool, ...]:
+    """``"8xH800+16xL40S"`` -> two pools (any role).
+
+    Raises:
+        ConfigError: a part that is not ``<count>x<device>`` or an unknown device type.
+    """
+    pools = []
+    for part in spec.split("+"):
+        match = re.fullmatch(r"\s*(\d+)\s*[xX]\s*([A-Za-z0-9_-]+)\s*", part)
+        if not match or int(match.group(1)) < 1:
+            raise ConfigError(f"--fleet {spec!r}: {part!r} is not <count>x<device> (e.g. 16xH800+8xL40S)")
+        pools.append(Pool(device_spec(match.group(2)).name, int(match.group(1))))
+    return tuple(pools)
+
+
+def load_scenario(path: str | Path) -> UserScenario:
+    """Read a user scenario file (see the module docstring).
+
+    Raises:
+        ConfigError: a missing file, invalid TOML, or a bad key, naming it.
+    """
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"scenario file {str(p)!r} does not exist")
+    try:
+        data = tomllib.loads(p.read_text())
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{p}: invalid TOML: {exc}") from exc
+    allowed = {"name", "model", "prompts", "group_size", "num_steps", "trained_steps", "rollout_pool", "pools"}
+    unknown = sorted(set(data) - allowed)
+    if unknown:
+        raise ConfigError(f"{p}: {unknown[0]}: unknown key; allowed: {', '.join(sorted(allowed))}")
+    model = ARCH_OF_MODEL.get(data.get("model", ""), data.get("model", ""))
+    if model not in _ARCHS:
+        raise ConfigError(f"{p}: model: {data.get('model')!r} is not one of {', '.join(_ARCHS)}")
+    numbers = {}
+    for key, default in (("prompts", None), ("group_size", None), ("num_steps", None), ("trained_steps", None)):
+        value = data.get(key, default)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ConfigError(f"{p}: {key}: must be a positive integer, got {value!r}")
+        numbers[key] = value
+    if numbers["trained_steps"] > numbers["num_steps"]:
+        raise ConfigError(f"{p}: trained_steps: {numbers['trained_steps']} exceeds num_steps {numbers['num_steps']}")
+    raw = data.get("pools")
+    if not isinstance(raw, list) or not raw:
+        raise ConfigError(f"{p}: pools: at least one [[pools]] table (device, count) is required")
+    pools = tuple(_pool(item, f"{p}: pools[{i}]") for i, item in enumerate(raw))
+    rollout_pool = data.get("rollout_pool", "")
+    if rollout_pool:
+        rollout_pool = device_spec(rollout_pool).name
+        if rollout_pool not in {pl.device for pl in pools}:
+            raise ConfigError(f"{p}: rollout_pool: {rollout_pool!r} is not one of the pools' devices")
+    sc = Scenario(str(data.get("name", p.stem)), model, numbers["prompts"], numbers["group_size"], numbers["num_steps"],
+                  numbers["trained_steps"], tuple((pl.device, pl.count) for pl in pools), rollout_pool, kind="user")
+    return UserScenario(sc, pools)
