@@ -152,8 +152,18 @@ def _build_components(name: str, variant: str, preset: str, seed: int, dtype: to
     return FullModel(name, preset, pipe.transformer, pipe.vae, texts)
 
 
+def _counts(module: torch.nn.Module) -> dict[Any, int]:
+    """Counts memoised on the module itself (walking a 20 B meta model's parameters takes a while)."""
+    if "_digenrl_counts" not in module.__dict__:
+        module.__dict__["_digenrl_counts"] = {}
+    return module.__dict__["_digenrl_counts"]
+
+
 def _numel(module: torch.nn.Module) -> int:
-    return sum(p.numel() for p in module.parameters())
+    memo = _counts(module)
+    if "numel" not in memo:
+        memo["numel"] = sum(p.numel() for p in module.parameters())
+    return memo["numel"]
 
 
 def lora_params(cfg: Config, transformer: torch.nn.Module) -> int:
@@ -161,10 +171,14 @@ def lora_params(cfg: Config, transformer: torch.nn.Module) -> int:
     from digenrl.models.lora import DEFAULT_LORA_TARGETS
 
     targets = cfg.model.lora_targets or list(DEFAULT_LORA_TARGETS[cfg.model.name])
+    key, memo = ("lora", cfg.model.lora_rank, tuple(targets)), _counts(transformer)
+    if key in memo:
+        return memo[key]
     total = 0
     for name, mod in transformer.named_modules():
         if isinstance(mod, torch.nn.Linear) and any(name == t or name.endswith("." + t) for t in targets):
             total += cfg.model.lora_rank * (mod.in_features + mod.out_features)
+    memo[key] = total
     return total
 
 
@@ -201,8 +215,8 @@ class Traces:
 
     ``train(rows)`` / ``forward(rows)``: the peak of a training pass / a no-grad forward of that many
     forward rows; ``decode()``: decoding one sample. ``linear=True`` traces each curve at one and two
-    CFG-row batches only and extends it linearly (activations grow linearly in the batch): what a plan
-    search uses to price hundreds of candidates; the chosen one is then checked with exact traces.
+    CFG-row batches only and extends it linearly: on the meta device the peak is exactly affine in the
+    batch (tests compare), so a plan search prices hundreds of candidates from five traces.
     """
 
     def __init__(self, cfg: Config, parts: Any, dtype: torch.dtype, *, linear: bool = False) -> None:

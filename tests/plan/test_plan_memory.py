@@ -96,3 +96,14 @@ def test_colocated_baseline_of_a_real_config_does_not_fit() -> None:
 def test_tiny_config_fits_this_host() -> None:
     plan = check_memory(load_config(CONFIGS / "tiny-qwenimage.toml"))
     assert plan.device == "cpu" and plan.fits
+
+
+def test_linear_traces_equal_exact_traces() -> None:
+    """A plan search prices candidates from two traced batch sizes: on meta the peak is affine in the batch."""
+    from digenrl.plan.memory import traces_for
+
+    cfg = load_config(CONFIGS / "hunyuanvideo.toml")
+    linear, exact = traces_for(cfg, linear=True), traces_for(cfg)
+    for rows in (5, 12):
+        assert linear.train(rows) == exact.train(rows)
+        assert linear.forward(rows) == exact.forward(rows)

@@ -1,0 +1,113 @@
+"""`digenrl plan --fleet`: the split search, user scenarios, and that every placement fits memory."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from digenrl.config import load_config
+from digenrl.errors import ConfigError
+from digenrl.plan.fleet import _variant, plan_fleet
+from digenrl.plan.memory import check_memory
+from digenrl.sim.user import fleet_pools, load_scenario
+from digenrl_cli.main import app
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+
+
+def test_fleet_strings_parse_and_bad_ones_are_named() -> None:
+    pools = fleet_pools("8xH800+16xl40s")
+    assert [(p.device, p.count) for p in pools] == [("H800", 8), ("L40S", 16)]
+    with pytest.raises(ConfigError, match="--fleet '8H800'"):
+        fleet_pools("8H800")
+    with pytest.raises(ConfigError, match="unknown device 'B300'"):
+        fleet_pools("8xB300")
+
+
+def test_user_scenario_runs_in_bench_bubbles(tmp_path: Path) -> None:
+    from digenrl.sim.bench import run_bubbles
+
+    file = tmp_path / "mine.toml"
+    file.write_text('model = "flux"\nprompts = 8\ngroup_size = 4\nnum_steps = 8\ntrained_steps = 3\n'
+                    'rollout_pool = "L40S"\n[[pools]]\ndevice = "H800"\ncount = 2\nroles = ["trainer"]\n'
+                    '[[pools]]\ndevice = "L40S"\ncount = 4\nroles = ["rollout"]\n')
+    user = load_scenario(file)
+    assert user.scenario.pools == (("H800", 2), ("L40S", 4)) and user.pools[1].roles == ("rollout",)
+    report = run_bubbles([str(file)], ["async1"], 4)
+    (row,) = report.rows
+    assert row["split"]["rollout"] == 4 and row["split"]["trainer"] == 2 and row["samples_per_s"] > 0
+    file.write_text(file.read_text().replace("count = 4", "count = 4\nspeed = 2"))
+    with pytest.raises(ConfigError, match=r"pools\[1\]\.speed: unknown key"):
+        load_scenario(file)
+
+
+def _assert_fits(cfg, cand) -> None:
+    check_memory(_variant(cfg, cand.rollout, cand.trainer, cand.tag_steps, cand.fragment_groups, cand.rows_per_pass))
+
+
+def test_planner_never_returns_a_placement_that_does_not_fit() -> None:
+    # Qwen-Image: an RTX 4090 (24 GB) cannot hold even its weights (41 GB); the H800s hold both roles
+    cfg = load_config(CONFIGS / "qwenimage.toml")
+    result = plan_fleet(cfg, fleet_pools("6xH800+2xRTX4090"), top=10, batches=4)
+    assert any("RTX4090" in u for u in result.unused)
+    for cand in result.candidates:
+        assert "RTX4090" not in cand.rollout and "RTX4090" not in cand.trainer
+        _assert_fits(cfg, cand)
+        assert all(m["gb"] <= m["capacity_gb"] - 2 for m in cand.memory.values())
+
+
+def test_two_device_case_has_the_known_best_split() -> None:
+    """1 H800 + 1 L40S, FLUX LoRA: which device generates and which trains.
+
+    Every assignment is simulated here directly (its own devices and cost model, outside the planner);
+    the planner's choice must be the best of them. By hand: a batch's training work (9 trained steps x
+    4 passes) outweighs its rollout work, and the H800 has 2.7x the L40S's FLOP/s, so the H800 trains
+    and the L40S generates.
+    """
+    from digenrl.policy import trained_steps
+    from digenrl.schedule import make_schedule
+    from digenrl.schedule.base import Device, Role, Workload
+    from digenrl.sim.calibration import calibrated_params
+    from digenrl.sim.cost import CostModel
+    from digenrl.sim.devices import device_spec
+    from digenrl.sim.engine import simulate
+    from digenrl.sim.profiles import profile
+    from digenrl.telemetry.stats import summarize
+
+    cfg = load_config(CONFIGS / "flux.toml", ["rollout.prompts_per_batch=4"])
+    result = plan_fleet(cfg, fleet_pools("1xH800+1xL40S"), top=10, batches=4)
+    best = result.best
+    _assert_fits(cfg, best)
+
+    ro = cfg.rollout
+    workload = Workload(4, ro.prompts_per_batch, ro.group_size, ro.num_steps, trained_steps(cfg))
+    measured = {}
+    for roll_type, train_type in (("L40S", "H800"), ("H800", "L40S")):
+        specs = {"r": device_spec(roll_type), "t": device_spec(train_type)}
+        roles = {"r": Role.ROLLOUT, "t": Role.TRAINER}
+        devices = [Device(n, roles[n], specs[n].peak_bf16_flops / device_spec("H800").peak_bf16_flops) for n in specs]
+        cost = CostModel(profile("flux"), specs, calibrated_params(), roles)
+        sched = make_schedule("async1", devices, workload, cost, tag_steps=best.tag_steps,
+                              fragment_groups=best.fragment_groups)
+        measured[(roll_type, train_type)] = summarize(simulate(sched, devices, workload, cost)).steady.samples_per_s
+    assert measured[("L40S", "H800")] > measured[("H800", "L40S")]
+    assert best.rollout == {"L40S": 1} and best.trainer == {"H800": 1}
+    assert best.samples_per_s == pytest.approx(measured[("L40S", "H800")], rel=1e-9)
+
+
+def test_plan_fleet_writes_a_runnable_config(tmp_path: Path) -> None:
+    out = tmp_path / "planned.toml"
+    res = CliRunner().invoke(app, ["plan", str(CONFIGS / "flux.toml"), "--fleet", "4xH800", "--batches", "4",
+                                   "--write", str(out)])
+    assert res.exit_code == 0, res.output
+    assert "samples/s" in res.output and "simulations" in res.output
+    written = load_config(out)
+    assert written.placement.rollout + written.placement.trainer == 4 and written.placement.gpu == "H800"
+    assert written.schedule.tag_steps >= 1 and written.train.rows_per_pass >= 1
+    check_memory(written)
+    # the rest of the config is kept as it was
+    source = load_config(CONFIGS / "flux.toml")
+    assert replace(written.rollout) == source.rollout and written.reward == source.reward
