@@ -155,6 +155,8 @@ def plan_fleet(cfg: Config, pools: tuple[Pool, ...], *, top: int = 5, batches: i
     notes = [f"simulated with the {prof.name} profile (paper resolution) and the calibrated cost model; "
              f"memory from {cfg.model.name} {cfg.model.variant or ''} at its configured resolution".replace("  ", " ")]
     ref = device_spec("H800").peak_bf16_flops
+    if cfg.model.name == "wan21" and cfg.model.variant == "1.3B":
+        notes.append("the simulator's Wan profile is the 14B model: samples/s are those of 14B compute, memory is 1.3B's")
 
     # -- which device types may hold which role (memory at the smallest token sizes) ----------------
     n_total = sum(p.count for p in pools)
@@ -260,7 +262,10 @@ def plan_fleet(cfg: Config, pools: tuple[Pool, ...], *, top: int = 5, batches: i
         for t in tag_options:
             for g in group_options:
                 evaluate(r, t, g)
-    ranked = sorted((c for c in results.values() if c is not None), key=lambda c: -c.samples_per_s)
+    # ties (a trainer-bound pipeline runs at the trainers' pace whatever the rollout side does): fewer idle
+    # devices first
+    ranked = sorted((c for c in results.values() if c is not None),
+                    key=lambda c: (-round(c.samples_per_s, 6), c.bubble_rollout + c.bubble_trainer))
     # distinct placements only (two keys can resolve to the same sizes)
     seen, unique = set(), []
     for c in ranked:
