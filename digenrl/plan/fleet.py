@@ -20,8 +20,10 @@ device type), and ranks them by predicted steady samples/s:
 Candidates are priced with linear activation traces (two traced batch sizes per curve): on the meta
 device a pass's peak is exactly affine in its batch (every activation scales with it; a test compares
 with exact traces), so this is the memory plan's own figure, not an approximation. Each simulation runs ``batches`` optimizer
-steps (default 6: one warm-up, five steady) and costs time linear in devices x tokens, so a 1024-device
-search is about 25 simulations of 1024 devices: the split search stays logarithmic in the fleet.
+steps (default 6: one warm-up, five steady); the best five are simulated again over 20 (a short run's
+steady window is narrow enough to misrank close candidates). A simulation costs time linear in devices x
+tokens, and the split search needs about 9 + 2·log2(N/8) of them plus a fixed ~25 for the token sizes
+and finalists, so a 1024-device search is ~45 simulations of 1024 devices.
 """
 
 from __future__ import annotations
@@ -126,7 +128,8 @@ def _max_rows(cfg: Config, traces: Traces, cap_rows: int) -> tuple[int, MemoryPl
     return lo, best
 
 
-def plan_fleet(cfg: Config, pools: tuple[Pool, ...], *, top: int = 5, batches: int = 6) -> FleetPlan:
+def plan_fleet(cfg: Config, pools: tuple[Pool, ...], *, top: int = 5, batches: int = 6,
+               final_batches: int = 20) -> FleetPlan:
     """Search placements of ``cfg`` on ``pools`` (see the module docstring); best first.
 
     Raises:
@@ -202,7 +205,6 @@ def plan_fleet(cfg: Config, pools: tuple[Pool, ...], *, top: int = 5, batches: i
         return roll, train
 
     def evaluate(r: int, tag_steps: int, groups: int) -> Candidate | None:
-        nonlocal simulations
         key = (r, tag_steps, groups)
         if key in results:
             return results[key]
@@ -216,6 +218,16 @@ def plan_fleet(cfg: Config, pools: tuple[Pool, ...], *, top: int = 5, batches: i
         rows, plan = _max_rows(variant, traces, max(1, sizes.train_pack))
         if plan is None:
             return None
+        cand = Candidate(roll, train, sizes.tag_steps, sizes.fragment_groups, rows,
+                         memory={name: {"gb": m.bytes_per_device / GB, "capacity_gb": m.capacity / GB,
+                                        "device": m.device} for name, m in plan.roles.items()})
+        run(cand, r, workload)
+        results[key] = cand
+        return cand
+
+    def run(cand: Candidate, r: int, w: Workload) -> None:
+        """Simulate ``cand`` (its first ``r`` devices generate) for ``w`` and record the steady figures."""
+        nonlocal simulations
         names, specs, roles = [], {}, {}
         for i, t in enumerate(order):
             name = f"{t.lower()}-{i}"
@@ -224,19 +236,15 @@ def plan_fleet(cfg: Config, pools: tuple[Pool, ...], *, top: int = 5, batches: i
             roles[name] = Role.ROLLOUT if i < r else Role.TRAINER
         devices = [Device(n, roles[n], specs[n].peak_bf16_flops / ref) for n in names]
         cost = CostModel(prof, specs, params, roles)
-        schedule = make_schedule(cfg.schedule.name, devices, workload, cost, tag_steps=sizes.tag_steps,
-                                 fragment_groups=sizes.fragment_groups,
+        schedule = make_schedule(cfg.schedule.name, devices, w, cost, tag_steps=cand.tag_steps,
+                                 fragment_groups=cand.fragment_groups,
                                  **{k: v for k, v in cfg.schedule_options.items() if k not in ("tag_steps",
                                                                                                "fragment_groups")},
                                  **({"staleness": cfg.schedule.staleness} if cfg.schedule.staleness else {}))
-        st = summarize(simulate(schedule, devices, workload, cost))
+        st = summarize(simulate(schedule, devices, w, cost))
         simulations += 1
-        cand = Candidate(roll, train, sizes.tag_steps, sizes.fragment_groups, rows, st.steady.samples_per_s,
-                         st.steady.bubble_rollout, st.steady.bubble_trainer, st.max_staleness,
-                         {name: {"gb": m.bytes_per_device / GB, "capacity_gb": m.capacity / GB, "device": m.device}
-                          for name, m in plan.roles.items()})
-        results[key] = cand
-        return cand
+        cand.samples_per_s, cand.staleness = st.steady.samples_per_s, st.max_staleness
+        cand.bubble_rollout, cand.bubble_trainer = st.steady.bubble_rollout, st.steady.bubble_trainer
 
     def score(c: Candidate | None) -> float:
         return c.samples_per_s if c else -1.0
@@ -275,6 +283,12 @@ def plan_fleet(cfg: Config, pools: tuple[Pool, ...], *, top: int = 5, batches: i
             unique.append(c)
     if not unique:
         raise ConfigError("no placement of the fleet fits the memory plan; see `digenrl plan CONFIG`")
+    # the finalists again over a longer run: a short one's steady window is only a few batches wide
+    finalists = unique[:max(top, 5)]
+    final = replace(workload, num_batches=final_batches)
+    for cand in finalists:
+        run(cand, sum(cand.rollout.values()), final)
+    unique = sorted(finalists, key=lambda c: (-round(c.samples_per_s, 6), c.bubble_rollout + c.bubble_trainer))
     notes.append("rows_per_pass: the largest the trainer memory allows (capped at a training token's rows); "
                  "the simulator's cost does not depend on it")
     return FleetPlan(unique[:top], simulations, unused, notes)
