@@ -334,10 +334,7 @@ def memory_plan(cfg: Config, traces: Traces | None = None) -> MemoryPlan:
             r.vae = vae_bytes
             r.text_encoders, r.host_bytes = (0, text_bytes) if m.offload_text_encoder else (text_bytes, 0)
             roles["rollout"] = r
-        from digenrl.schedule.options import PRESETS
-
-        generates = place.rollout == 0 or (PRESETS[cfg.schedule.name].tag and shard != "fsdp")
-        roles["trainer"] = trainer("trainer", n_trainer, generates)
+        roles["trainer"] = trainer("trainer", n_trainer, cfg.trainers_generate)
         if place.reward:
             roles["reward"] = RoleMemory("reward", place.reward, device, capacity=capacity,
                                          notes=["reward models are not planned (OCR runs on the host, remote "

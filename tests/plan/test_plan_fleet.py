@@ -62,8 +62,8 @@ def test_planner_never_returns_a_placement_that_does_not_fit() -> None:
 def test_two_device_case_has_the_known_best_split() -> None:
     """1 H800 + 1 L40S, FLUX LoRA: which device generates and which trains.
 
-    Every assignment is simulated here directly (its own devices and cost model, outside the planner);
-    the planner's choice must be the best of them. By hand: a batch's training work (9 trained steps x
+    Every assignment is simulated here directly (its own devices and cost model, outside the planner,
+    over the planner's final run of 8 batches); the planner's choice must be the best of them. By hand: a batch's training work (9 trained steps x
     4 passes) outweighs its rollout work, and the H800 has 2.7x the L40S's FLOP/s, so the H800 trains
     and the L40S generates.
     """
@@ -78,12 +78,12 @@ def test_two_device_case_has_the_known_best_split() -> None:
     from digenrl.telemetry.stats import summarize
 
     cfg = load_config(CONFIGS / "flux.toml", ["rollout.prompts_per_batch=4"])
-    result = plan_fleet(cfg, fleet_pools("1xH800+1xL40S"), top=10, batches=4)
+    result = plan_fleet(cfg, fleet_pools("1xH800+1xL40S"), top=10, batches=4, final_batches=8)
     best = result.best
     _assert_fits(cfg, best)
 
     ro = cfg.rollout
-    workload = Workload(4, ro.prompts_per_batch, ro.group_size, ro.num_steps, trained_steps(cfg))
+    workload = Workload(8, ro.prompts_per_batch, ro.group_size, ro.num_steps, trained_steps(cfg))
     measured = {}
     for roll_type, train_type in (("L40S", "H800"), ("H800", "L40S")):
         specs = {"r": device_spec(roll_type), "t": device_spec(train_type)}
