@@ -11,12 +11,17 @@
 Each row has the simulator's ``bubbles.json`` schema (scenario names start with ``real-``), measured
 over the steady window (batch 0's optimizer step excluded), with per-actor bubble ratios and
 ``sim_error``: the simulator's predicted steady samples/s for the same schedule, devices and workload,
-relative to the measured one (``predicted / measured - 1``). The simulator is calibrated here, from
-these runs: :class:`MeasuredCost` fits ``overhead + seconds x units`` per token kind (units:
-sample-steps, samples, rows) to every token the actor runs executed (pooled over all schedules),
-so ``sim_error`` tests the schedule and driver dynamics (overlap, waits, pipelining), not the FLOP model.
-The colocated row's simulator input is its own phase timings (rollout, decode + reward, train), so
-its ``sim_error`` is near zero by construction.
+relative to the measured one (``predicted / measured - 1``). The simulator is calibrated from this
+bench run itself, never from another machine's figures: with ``colocated`` in the run, from the
+one-thread colocated loop's phase timings (rollout, decode + reward, train per unit) slowed by the
+two-process contention the ``real-2x1thread`` pair measured in the same round — a prediction made
+before looking at any actor run. Two more errors separate the causes: ``sim_error_token_fit`` with
+:class:`MeasuredCost` fitting ``overhead + seconds x units`` per token kind (units: sample-steps,
+samples, rows) to every token the actor runs executed (pooled over all schedules; without
+``colocated`` this is ``sim_error``), and ``sim_error_self_calibrated`` fitted to that run's own
+tokens, so what is left is the schedule and driver dynamics (overlap, waits, pipelining) alone.
+The colocated row's simulator input is its own phase timings, so its ``sim_error`` is near zero by
+construction.
 
 With ``colocated`` it also runs ``real-2x1thread``: two independent single-thread colocated runs in
 two processes at once, their samples/s summed. No schedule of two one-thread actor processes can
@@ -95,6 +100,10 @@ class MeasuredCost:
     def tag_switch_seconds(self, name: str, to_helper: bool = True) -> float:
         return 0.0  # a TAG trainer holds the newest weights already: no onload/offload on CPU
 
+    def scaled(self, factor: float) -> MeasuredCost:
+        """Every cost ``factor`` times as long (e.g. two busy processes sharing the machine's memory)."""
+        return MeasuredCost({k: (o * factor, p * factor) for k, (o, p) in self.fits.items()})
+
     def to_dict(self) -> dict[str, dict[str, float]]:
         return {k: {"overhead_s": o, "per_unit_s": p} for k, (o, p) in self.fits.items()}
 
@@ -108,13 +117,15 @@ def _colocated(cfg: Any, iterations: int) -> tuple[dict[str, Any], MeasuredCost,
     ro = cfg.rollout
     samples = ro.prompts_per_batch * ro.group_size
     sps = samples * len(steady) / sum(m["seconds"] for m in steady)
-    rows = statistics.fmean(max(m.get("rows", 1.0), 1.0) for m in steady)
     mean = lambda k: statistics.fmean(m[k] for m in steady)  # noqa: E731
+    workload = Workload(iterations, ro.prompts_per_batch, ro.group_size, ro.num_steps, trained_steps(cfg))
+    # Per unit of what the simulator charges: a TRAIN token's transitions are all the batch's rows
+    # (it cannot know which groups will have identical rewards), so the same rows divide here.
     cost = MeasuredCost({"rollout": (0.0, mean("t_rollout") / (samples * ro.num_steps)),
                          "reward": (0.0, (mean("t_decode") + mean("t_reward")) / samples),
-                         "train": (0.0, mean("t_train") / rows), "optim": (0.0, 0.0), "switch": (0.0, 0.0)})
-    return {"samples_per_s": sps, "rewards": [m["reward_mean"] for m in history]}, cost, Workload(
-        iterations, ro.prompts_per_batch, ro.group_size, ro.num_steps, trained_steps(cfg))
+                         "train": (0.0, mean("t_train") / workload.rows_per_batch), "optim": (0.0, 0.0),
+                         "switch": (0.0, 0.0)})
+    return {"samples_per_s": sps, "rewards": [m["reward_mean"] for m in history]}, cost, workload
 
 
 def _colocated_rate(cfg: Any) -> float:
@@ -193,6 +204,10 @@ def _row(name: str, schedule: str, result: Timeline, sim: Timeline | None, measu
     }
 
 
+def _simulated(schedule: str, devices: list[Device], workload: Workload, cost: MeasuredCost) -> Timeline:
+    return simulate(make_schedule(schedule, devices, workload, cost), devices, workload, cost)  # type: ignore[arg-type]
+
+
 def _median(runs: list[Any], key: Any) -> Any:
     """The run with the median ``key`` (the lower one of an even count): robust to one disturbed run."""
     return sorted(runs, key=key)[(len(runs) - 1) // 2]
@@ -242,6 +257,7 @@ def run_real_bubbles(schedules: list[str] | None = None, num_batches: int = 8, o
     # schedule -> one (result, tokens, wall, devices, load, steady samples/s) per round
     runs: dict[str, list[tuple[Timeline, list[tuple[Token, float]], float, list[Device], float, float]]] = {}
     coloc: dict[str, list[dict[str, Any]]] = {}  # colocated scenario -> one row per round
+    predictors: list[tuple[float, MeasuredCost]] = []  # per round: (1-thread samples/s, its contended costs)
     rows: list[dict[str, Any]] = []
     try:
         for rnd in range(repeats):
@@ -257,7 +273,7 @@ def run_real_bubbles(schedules: list[str] | None = None, num_batches: int = 8, o
                         threaded = dataclasses.replace(cfg, placement=dataclasses.replace(cfg.placement, threads=threads))
                         measured, cost, workload = _colocated(threaded, num_batches)
                         devices = [Device("hybrid-0", Role.HYBRID)]
-                        sim = simulate(make_schedule("colocated", devices, workload, cost), devices, workload, cost)  # type: ignore[arg-type]
+                        sim = _simulated("colocated", devices, workload, cost)
                         suffix = "" if threads == cfg.placement.threads else f"-{threads}thread"
                         row = _row(f"real-colocated{suffix}", sched, sim, sim, measured["samples_per_s"],
                                    time.perf_counter() - start, devices)
@@ -267,6 +283,9 @@ def run_real_bubbles(schedules: list[str] | None = None, num_batches: int = 8, o
                         coloc.setdefault(row["scenario"], []).append(row)
                     start, load = time.perf_counter(), _load()
                     rates = _two_processes(cfg)
+                    # One actor process = one thread, slowed as much as two busy processes slow each other.
+                    one_sps = row["samples_per_s"]
+                    predictors.append((one_sps, cost.scaled(one_sps / (sum(rates) / 2)) if all(rates) else cost))
                     pair = {**row, "scenario": "real-2x1thread", "devices": 2, "samples_per_s": sum(rates),
                             "samples_per_s_processes": rates, "wall_s": time.perf_counter() - start,
                             "bubble_per_actor": {"2 independent processes, 1 thread each": 0.0},
@@ -289,18 +308,17 @@ def run_real_bubbles(schedules: list[str] | None = None, num_batches: int = 8, o
             colocated_row = colocated_row or row
             rows.append(row)
         pooled = MeasuredCost.fit([t for rs in runs.values() for run in rs for t in run[1]])
+        predictor = _median(predictors, lambda p: p[0])[1] if predictors else pooled
         results = []
         for sched, rs in runs.items():
             result, tokens, wall, devices, load, sps = _median(rs, lambda r: r[5])
-            sim = simulate(make_schedule(sched.removesuffix("+reward"), devices, result.workload, pooled), devices,
-                           result.workload, pooled)  # type: ignore[arg-type]
-            row = _row(f"real-{sched}", sched, result, sim, sps, wall, devices)
-            # Calibrated on this run's own tokens: what is left is the schedule/driver dynamics alone.
-            own = MeasuredCost.fit(tokens)
-            own_sim = simulate(make_schedule(sched.removesuffix("+reward"), devices, result.workload, own), devices,
-                               result.workload, own)  # type: ignore[arg-type]
-            own_sps = summarize(own_sim).steady.samples_per_s
-            row["sim_error_self_calibrated"] = own_sps / row["samples_per_s"] - 1.0 if row["samples_per_s"] else None
+
+            name = sched.removesuffix("+reward")
+            row = _row(f"real-{sched}", sched, result, _simulated(name, devices, result.workload, predictor), sps,
+                       wall, devices)
+            for key, cost in (("sim_error_token_fit", pooled), ("sim_error_self_calibrated", MeasuredCost.fit(tokens))):
+                own_sps = summarize(_simulated(name, devices, result.workload, cost)).steady.samples_per_s
+                row[key] = own_sps / row["samples_per_s"] - 1.0 if row["samples_per_s"] else None
             row["busy_cores_before"] = load
             row["samples_per_s_runs"] = [r[5] for r in rs]
             rows.append(row)
@@ -310,12 +328,16 @@ def run_real_bubbles(schedules: list[str] | None = None, num_batches: int = 8, o
         for r in rows:
             r["speedup_vs_colocated"] = r["samples_per_s"] / base_sps if base_sps else None
             r["speedup_vs_colocated_1thread"] = r["samples_per_s"] / one if one else None
-        report = {"rows": rows, "calibration": {"measured_costs": pooled.to_dict(), "source": "pooled real tokens"},
+        source = ("this run's 1-thread colocated phases x the 2x1thread contention (median round)" if predictors
+                  else "pooled real tokens of this run's actor schedules")
+        report = {"rows": rows, "calibration": {"measured_costs": predictor.to_dict(), "source": source,
+                                                "token_fit": pooled.to_dict()},
                   "definitions": {
                       "window": "steady = from the end of batch 0's optimizer step to the last one",
                       "bubble": "1 - compute span time / window, per actor (bubble_per_actor); per role = mean",
-                      "sim_error": "simulator steady samples/s (same schedule, devices, workload; costs fitted "
-                                   "to the measured tokens of all runs) / measured - 1",
+                      "sim_error": "simulator steady samples/s (same schedule, devices, workload; costs from "
+                                   "calibration.source) / measured - 1",
+                      "sim_error_token_fit": "the same with costs fitted to the measured tokens of all actor runs",
                       "sim_error_self_calibrated": "the same with costs fitted to this run's tokens only",
                       "colocated": "the single-process loop with placement.threads torch threads",
                       "real-2x1thread": "two independent 1-thread colocated runs at once, samples/s summed: the "

@@ -28,6 +28,24 @@ def test_fit_recovers_overhead_and_per_unit_costs() -> None:
     assert cost.seconds(_tok(TokenKind.PUBLISH), dev) > 0
 
 
+def test_scaled_cost_is_every_fit_times_the_factor() -> None:
+    cost = MeasuredCost({"rollout": (0.02, 0.001), "train": (0.0, 0.004)}).scaled(1.5)
+    assert cost.fits["rollout"] == pytest.approx((0.03, 0.0015)) and cost.fits["train"] == pytest.approx((0.0, 0.006))
+
+
+def test_colocated_phase_costs_make_the_simulator_reproduce_the_colocated_loop() -> None:
+    """The colocated loop's phase timings, charged per unit of what the simulator counts, give back its rate."""
+    from digenrl.config import load_config
+    from digenrl.recipes.bench_real import DEFAULT_CONFIG, _colocated, _simulated
+    from digenrl.telemetry.stats import summarize
+
+    cfg = load_config(DEFAULT_CONFIG, ["rollout.prompts_per_batch=4", "train.iterations=3", "log.image_every=0",
+                                       "log.checkpoint_every=0", "schedule.name=colocated"])
+    measured, cost, workload = _colocated(cfg, 3)
+    predicted = summarize(_simulated("colocated", [Device("hybrid-0", Role.HYBRID)], workload, cost)).steady
+    assert predicted.samples_per_s == pytest.approx(measured["samples_per_s"], rel=0.02)
+
+
 @pytest.mark.parametrize(("kwargs", "field"), [({"schedules": ["nope"]}, "nope"), ({"num_batches": 1}, "num_batches"),
                                                 ({"repeats": 0}, "repeats")])
 def test_run_real_bubbles_rejects_bad_arguments_by_name(kwargs: dict, field: str) -> None:
@@ -54,5 +72,8 @@ def test_real_bench_measures_colocated_the_pair_ceiling_and_async1(tmp_path) -> 
     assert rows["real-colocated"]["speedup_vs_colocated"] == 1.0
     assert set(rows["real-async1"]["bubble_per_actor"]) == {"rollout-0", "trainer-0"}
     assert rows["real-async1"]["sim_error"] is not None and rows["real-async1"]["max_staleness"] == 1
+    assert rows["real-async1"]["sim_error_token_fit"] is not None
+    assert abs(rows["real-colocated"]["sim_error"]) < 0.05  # its own phase timings: near zero by construction
+    assert report["calibration"]["source"].startswith("this run's 1-thread colocated phases")
     assert json.loads((tmp_path / "bubbles.json").read_text())["rows"][2]["scenario"] == "real-2x1thread"
     assert (tmp_path / "gantt-real.png").is_file()
