@@ -364,14 +364,28 @@ def _advice(cfg: Config, plan: MemoryPlan, r: RoleMemory) -> str:
             most = room // max(1, plan.train_row_bytes)
             if most >= 1:
                 options.append(f"train.rows_per_pass = {min(int(most), plan.rows_per_pass - 1)} or less")
-        if cfg.placement.trainer > 1 and plan.shard != "fsdp" and r.role == "trainer":
-            options.append("train.shard = 'fsdp' (weights, gradients and Adam states split over the trainers)")
+        if r.role == "trainer":
+            # FSDP divides weights, gradients and Adam states by the group; how many trainers make room
+            n = cfg.placement.trainer
+            split = r.weights + r.reference + r.trainable + r.grads + r.optimizer
+            whole = split * n if plan.shard == "fsdp" else split
+            room = r.capacity - RESERVE_BYTES - (r.bytes_per_device - split)
+            need = math.ceil(whole / room) if room > 0 else 0
+            if need and plan.shard != "fsdp" and need <= n:
+                options.append("train.shard = 'fsdp' (weights, gradients and Adam states split over the trainers)")
+            elif need > n:
+                options.append(f"train.shard = 'fsdp' with placement.trainer = {need} or more (about: weights, "
+                               "gradients and Adam states split over the trainers)")
         if cfg.model.finetune == "full":
             options.append("model.finetune = 'lora'")
         hint = "; or ".join(options) or "a larger placement.gpu"
         return f"{lead}; or {hint}" if lead else f"change {hint}"
     if r.role == "rollout":
         options = []
+        if r.bytes_per_device - r.activations - r.text_encoders > r.capacity - RESERVE_BYTES:
+            key = "placement.rollout_gpu" if cfg.placement.rollout_gpu else "placement.gpu"
+            return (f"the weights and VAE alone do not fit: change {key} to a larger device type"
+                    + (" (model.device = 'cpu' plans this host's memory)" if r.device == "cpu" else ""))
         if r.text_encoders:
             options.append("model.offload_text_encoder = true")
         options.append("schedule.fragment_groups (fewer prompts per rollout token) or schedule.rollout_batch")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -86,6 +87,23 @@ def test_run_checks_memory_before_spawning_anything(tmp_path: Path) -> None:
     assert res.exit_code == 2, res.output
     assert "memory: the rollout role needs" in res.output and "schedule.fragment_groups" in res.output
     assert not (tmp_path / "run").exists()  # nothing was started
+
+
+def test_advice_only_names_changes_that_can_fit() -> None:
+    # 396 GB of activations without checkpointing: splitting ~48 GB of weights and states cannot help
+    with pytest.raises(ConfigError, match="grad_checkpointing") as err:
+        check_memory(load_config(CONFIGS / "qwenimage.toml", ["train.grad_checkpointing=false"]))
+    assert "fsdp" not in str(err.value)
+    # a 24 GB card cannot hold Qwen-Image's 41 GB of weights: smaller fragments would not help
+    with pytest.raises(ConfigError, match=r"weights and VAE alone do not fit: change placement\.gpu") as err:
+        check_memory(load_config(CONFIGS / "qwenimage.toml", ['placement.gpu="RTX4090"']))
+    assert "fragment_groups" not in str(err.value)
+    # full fine-tuning: 368 GB of weights and states need ~7 H100s to split over, not the configured 4
+    with pytest.raises(ConfigError, match=r"train\.shard = 'fsdp' with placement\.trainer = (\d+) or more") as err:
+        check_memory(load_config(CONFIGS / "qwenimage.toml", ['model.finetune="full"', 'train.shard="fsdp"']))
+    need = int(re.search(r"placement\.trainer = (\d+)", str(err.value)).group(1))
+    check_memory(load_config(CONFIGS / "qwenimage.toml", ['model.finetune="full"', 'train.shard="fsdp"',
+                                                          f"placement.trainer={need}"]))
 
 
 def test_colocated_baseline_of_a_real_config_does_not_fit() -> None:
