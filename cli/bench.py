@@ -43,6 +43,8 @@ def bubbles(
     set_: list[str] = typer.Option(None, "--set", help="--real: override a config value, e.g. rollout.prompts_per_batch=8."),
     decomposition: bool = typer.Option(True, "--decomposition/--no-decomposition",
                                        help="With async1 selected: where its gain over each baseline comes from."),
+    plan: bool = typer.Option(False, "--plan", help="Run the planned schedule (the model's shipped config, e.g. "
+                              "async1) on the split `digenrl plan --fleet` chooses per scenario (marked *)."),
 ) -> None:
     """Simulate scenarios x schedules (or, with --real, measure them on this machine): samples/s, speedup,
     bubble ratios, staleness, sync share."""
@@ -72,7 +74,9 @@ def bubbles(
         console.print("peers (modelled baselines): " + "; ".join(f"{p.name} = {p.system}" for p in PEERS.values()))
         return
     try:
-        report = run_bubbles(scenario or None, schedule or None, batches, out, decomposition=decomposition)
+        planned = _planned(scenario or None, batches, console) if plan else None
+        report = run_bubbles(scenario or None, schedule or None, batches, out, decomposition=decomposition,
+                             planned=planned)
     except ConfigError as exc:
         console.print(f"[red]error:[/red] {exc}")
         raise typer.Exit(2) from exc
@@ -84,6 +88,7 @@ def bubbles(
     for r in report.rows:
         split = r["split"]
         split_s = f"{split['hybrid']}H" if split["hybrid"] else f"{split['rollout']}/{split['trainer']}"
+        split_s += "*" if r.get("planned") else ""
         b = r["bubble_ratio"]
         bound = r["speedup_bound"]
         table.add_row(r["scenario"], split_s, r["schedule"], f"{r['samples_per_s']:.3f}", f"{r['speedup_vs_colocated']:.2f}x",
@@ -91,6 +96,10 @@ def bubbles(
                       str(r["max_staleness"]), f"{r['weight_sync_share']:.2%}", f"{r['switch_share']:.2%}",
                       f"{r['aborted_share']:.1%}")
     console.print(table)
+    for r in report.rows:
+        if len(r["bubble_by_pool"]) > 1:
+            pools = ", ".join(f"{t} {b:.1%}" for t, b in r["bubble_by_pool"].items())
+            console.print(f"{r['scenario']} {r['schedule']}: bubble per pool {pools}")
     if report.decomposition:
         console.print(_decomposition_table(report.decomposition))
     cal = report.calibration
@@ -99,6 +108,32 @@ def bubbles(
                   f"recomputes old log-probs ({cal['old_logprob_passes']:g} forward/row)")
     for path in report.files[:1]:
         console.print(f"wrote {path} and {len(report.files) - 1} trace/Gantt files")
+
+
+def _planned(names: list[str] | None, batches: int, console: object) -> dict:
+    """Scenario -> the split `digenrl plan --fleet` chooses for it; a scenario it refuses keeps its fixed split."""
+    import time
+
+    from digenrl.errors import ConfigError
+    from digenrl.plan.fleet import plan_scenario
+    from digenrl.sim.bench import DEFAULT_SCENARIOS
+    from digenrl.sim.scenarios import scenario as get_scenario
+    from digenrl.sim.user import load_scenario
+
+    planned = {}
+    for name in names or DEFAULT_SCENARIOS:
+        sc = get_scenario(name)
+        pools = load_scenario(name).pools if name.endswith(".toml") else None
+        start = time.perf_counter()
+        try:
+            split, result = plan_scenario(sc, pools, final_batches=batches)
+        except ConfigError as exc:
+            console.print(f"[yellow]plan {sc.name}: no placement fits ({exc}); its rows keep the fixed split[/yellow]")
+            continue
+        planned[sc.name] = split
+        console.print(f"plan {sc.name}: {result.best.split}, {dict(split.options)} "
+                      f"({result.simulations} simulations, {time.perf_counter() - start:.1f} s)")
+    return planned
 
 
 def _decomposition_table(decomposition: dict) -> object:

@@ -38,9 +38,14 @@ from typing import Any
 from digenrl.config import Config, load_config
 from digenrl.errors import ConfigError
 from digenrl.plan.memory import GB, MemoryPlan, Traces, memory_plan, traces_for
+from digenrl.sim.scenarios import PlannedSplit, Scenario
 from digenrl.sim.user import ARCH_OF_MODEL, Pool
 
-__all__ = ["Candidate", "FleetPlan", "plan_fleet", "write_config"]
+__all__ = ["Candidate", "FleetPlan", "plan_fleet", "plan_scenario", "scenario_config", "write_config"]
+
+# The shipped config of each simulator profile: what a scenario is planned with (its memory plan).
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+_CONFIG_OF_ARCH = {arch: name for name, arch in ARCH_OF_MODEL.items()}
 
 
 @dataclass
@@ -292,6 +297,34 @@ def plan_fleet(cfg: Config, pools: tuple[Pool, ...], *, top: int = 5, batches: i
     notes.append("rows_per_pass: the largest the trainer memory allows (capped at a training token's rows); "
                  "the simulator's cost does not depend on it")
     return FleetPlan(unique[:top], simulations, unused, notes)
+
+
+def scenario_config(sc: Scenario) -> Config:
+    """The shipped config of ``sc``'s model with the scenario's batch (prompts x G, steps, trained steps)."""
+    return load_config(CONFIGS / f"{_CONFIG_OF_ARCH[sc.model]}.toml",
+                       [f"rollout.prompts_per_batch={sc.prompts}", f"rollout.group_size={sc.group_size}",
+                        f"rollout.num_steps={sc.num_steps}", 'rollout.steps="window"',
+                        f"rollout.window={sc.trained_steps}"])
+
+
+def plan_scenario(sc: Scenario, pools: tuple[Pool, ...] | None = None, *, final_batches: int = 20
+                  ) -> tuple[PlannedSplit, FleetPlan]:
+    """The best placement of a bench scenario (``scenario_config``) on its fleet, as a ``PlannedSplit``.
+
+    ``pools``: the scenario's pools with their allowed roles (a user scenario file's); default: any role.
+
+    Raises:
+        ConfigError: no placement fits (e.g. a fragment's samples cannot be decoded on one device).
+    """
+    cfg = scenario_config(sc)
+    result = plan_fleet(cfg, pools or tuple(Pool(t, n) for t, n in sc.pools), final_batches=final_batches)
+    best = result.best
+    options = {k: v for k, v in cfg.schedule_options.items() if k not in ("tag_steps", "fragment_groups")}
+    options.update(tag_steps=best.tag_steps, fragment_groups=best.fragment_groups)
+    if cfg.schedule.staleness:
+        options["staleness"] = cfg.schedule.staleness
+    return PlannedSplit(cfg.schedule.name, tuple((t, n) for t, n in best.rollout.items() if n),
+                        tuple(options.items())), result
 
 
 def _toml_value(value: Any) -> str:

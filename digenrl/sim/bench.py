@@ -23,7 +23,7 @@ from digenrl.sim.decompose import decompose
 from digenrl.sim.engine import simulate
 from digenrl.sim.peers import PEERS, simulate_peer
 from digenrl.sim.profiles import profile
-from digenrl.sim.scenarios import DEFAULT_BATCHES, SCENARIOS, Scenario, placement, scenario
+from digenrl.sim.scenarios import DEFAULT_BATCHES, SCENARIOS, PlannedSplit, Scenario, placement, scenario
 from digenrl.telemetry.spans import Timeline, busy_seconds
 from digenrl.telemetry.stats import summarize
 from digenrl.telemetry.trace import write_gantt, write_trace
@@ -60,13 +60,18 @@ class BubbleReport:
                 }}
 
 
-def simulate_pair(sc: Scenario, schedule: str, num_batches: int) -> Timeline:
-    """Simulate one scenario under one schedule (or peer, ``PEERS``) with the calibrated cost model."""
+def simulate_pair(sc: Scenario, schedule: str, num_batches: int, planned: PlannedSplit | None = None) -> Timeline:
+    """Simulate one scenario under one schedule (or peer, ``PEERS``) with the calibrated cost model.
+
+    ``planned``: the split and token sizes for ``planned.schedule`` (others keep the scenario's split).
+    """
     if schedule in PEERS:
         return simulate_peer(sc, PEERS[schedule], num_batches)
-    devices, cost = placement(sc, colocated=schedule == "colocated")
+    mine = planned if planned is not None and planned.schedule == schedule else None
+    devices, cost = placement(sc, colocated=schedule == "colocated", rollout=dict(mine.rollout) if mine else None)
     workload = sc.workload(num_batches)
-    return simulate(make_schedule(schedule, devices, workload, cost), devices, workload, cost)
+    options = dict(mine.options) if mine else {}
+    return simulate(make_schedule(schedule, devices, workload, cost, **options), devices, workload, cost)
 
 
 def _bound(sc: Scenario, colocated_sps: float) -> float | None:
@@ -80,7 +85,7 @@ def _bound(sc: Scenario, colocated_sps: float) -> float | None:
     return ideal_sps / colocated_sps
 
 
-def _row(sc: Scenario, res: Timeline, sim_s: float) -> dict[str, Any]:
+def _row(sc: Scenario, res: Timeline, sim_s: float, planned: bool = False) -> dict[str, Any]:
     st = summarize(res)
     s, f = st.steady, st.full
     return {
@@ -89,8 +94,10 @@ def _row(sc: Scenario, res: Timeline, sim_s: float) -> dict[str, Any]:
         "split": {"rollout": sum(d.role is Role.ROLLOUT for d in res.devices),
                   "trainer": sum(d.role is Role.TRAINER for d in res.devices),
                   "hybrid": sum(d.role is Role.HYBRID for d in res.devices)},
+        "planned": planned,
         "samples_per_s": s.samples_per_s, "speedup_vs_colocated": None,
         "bubble_ratio": {"rollout": s.bubble_rollout, "trainer": s.bubble_trainer, "overall": s.bubble_overall},
+        "bubble_by_pool": _pool_bubbles(sc, res, s.start, s.end),
         "max_staleness": st.max_staleness,
         "weight_sync_share": s.weight_sync_share, "switch_share": s.switch_share,
         "aborted_share": _aborted_share(res, s.start, s.end),
@@ -99,6 +106,20 @@ def _row(sc: Scenario, res: Timeline, sim_s: float) -> dict[str, Any]:
         "num_batches": res.workload.num_batches, "samples_scored": st.samples_scored, "wall_s": res.wall,
         "tokens": res.tokens, "sim_seconds": sim_s,
     }
+
+
+def _pool_bubbles(sc: Scenario, res: Timeline, start: float, end: float) -> dict[str, float]:
+    """Mean bubble of each pool (device type) in the window, whatever roles its devices hold."""
+    length = max(end - start, 1e-12)
+    types = {t.lower(): t for t, _ in sc.pools}
+    spans: dict[str, list[Any]] = {}
+    for span in res.spans:
+        spans.setdefault(span.device, []).append(span)
+    by_pool: dict[str, list[float]] = {}
+    for d in res.devices:
+        own = spans.get(d.name, [])
+        by_pool.setdefault(types[d.name.rsplit("-", 1)[0]], []).append(1.0 - busy_seconds(own, start, end) / length)
+    return {t: sum(v) / len(v) for t, v in by_pool.items()}
 
 
 def _aborted_share(res: Timeline, start: float, end: float) -> float:
@@ -110,7 +131,7 @@ def _aborted_share(res: Timeline, start: float, end: float) -> float:
 
 def run_bubbles(scenarios: list[str] | None = None, schedules: list[str] | None = None,
                 num_batches: int = DEFAULT_BATCHES, out: Path | None = None, gantt_batches: int = 4,
-                decomposition: bool = True) -> BubbleReport:
+                decomposition: bool = True, planned: dict[str, PlannedSplit] | None = None) -> BubbleReport:
     """Simulate scenarios x schedules and (with ``out``) write bubbles.json, traces and Gantt PNGs.
 
     Args:
@@ -120,6 +141,8 @@ def run_bubbles(scenarios: list[str] | None = None, schedules: list[str] | None 
         out: directory for the artefacts; created if missing.
         gantt_batches: the Gantt shows the first this many batches of every schedule.
         decomposition: with ``async1`` selected, also run ``decompose`` per scenario.
+        planned: scenario name -> the split (and token sizes) ``digenrl plan --fleet`` chose for one
+            schedule; that schedule's row uses it (``planned: true``), the decomposition ends at it.
 
     Raises:
         ConfigError: an unknown scenario or schedule name, or ``num_batches < 2``.
@@ -144,10 +167,11 @@ def run_bubbles(scenarios: list[str] | None = None, schedules: list[str] | None 
         results: list[Timeline] = []
         base_sps = None
         rows = []
+        plan = (planned or {}).get(sc.name)
         for sched in chosen:
             start = time.perf_counter()
-            res = simulate_pair(sc, sched, num_batches)
-            rows.append(_row(sc, res, time.perf_counter() - start))
+            res = simulate_pair(sc, sched, num_batches, plan)
+            rows.append(_row(sc, res, time.perf_counter() - start, plan is not None and plan.schedule == sched))
             results.append(res)
             if out is not None:
                 report.files.append(write_trace(res, out / f"trace-{sc.name}-{sched}.json"))

@@ -29,7 +29,7 @@ from digenrl.sim.cost import CostModel, CostParams
 from digenrl.sim.devices import DeviceSpec, device_spec
 from digenrl.sim.profiles import ModelProfile, profile
 
-__all__ = ["Scenario", "SCENARIOS", "scenario", "placement", "balanced_split"]
+__all__ = ["Scenario", "PlannedSplit", "SCENARIOS", "scenario", "placement", "balanced_split"]
 
 DEFAULT_BATCHES = 20
 
@@ -68,6 +68,21 @@ class Scenario:
     @property
     def testbed(self) -> str:
         return " + ".join(f"{n}x{t}" for t, n in self.pools)
+
+
+@dataclass(frozen=True, slots=True)
+class PlannedSplit:
+    """A placement chosen for one schedule (``digenrl plan --fleet``), replacing the scenario's fixed split.
+
+    Attributes:
+        schedule: the schedule it was planned for (other schedules keep the fixed split).
+        rollout: rollout devices per device type (the first ones of each pool; the rest train).
+        options: ``ScheduleOptions`` overrides it was planned with (tag_steps, fragment_groups, ...).
+    """
+
+    schedule: str
+    rollout: tuple[tuple[str, int], ...]
+    options: tuple[tuple[str, int], ...] = ()
 
 
 _RECIPES = {  # model -> (prompts, G, steps, trained steps)
@@ -128,11 +143,13 @@ def balanced_split(prof: ModelProfile, sc: Scenario, spec: DeviceSpec, params: C
     return min(n - 1, max(1, round(n * roll / (roll + train))))
 
 
-def placement(sc: Scenario, colocated: bool, params: CostParams | None = None) -> tuple[list[Device], CostModel]:
+def placement(sc: Scenario, colocated: bool, params: CostParams | None = None,
+              rollout: dict[str, int] | None = None) -> tuple[list[Device], CostModel]:
     """Devices (with roles) and the cost model of ``sc`` for a colocated or a disaggregated schedule.
 
-    ``Device.speed`` is peak bf16 FLOP/s relative to an H800, a placement hint for the schedule;
-    the cost model itself uses the full device specs.
+    ``rollout``: a planned split (rollout devices per type, the first of each pool) instead of the
+    scenario's own. ``Device.speed`` is peak bf16 FLOP/s relative to an H800, a placement hint for
+    the schedule; the cost model itself uses the full device specs.
     """
     params = params or calibrated_params()
     prof = profile(sc.model)
@@ -145,6 +162,9 @@ def placement(sc: Scenario, colocated: bool, params: CostParams | None = None) -
     names = list(specs)
     if colocated:
         roles = {n: Role.HYBRID for n in names}
+    elif rollout is not None:
+        index = {n: int(n.rsplit("-", 1)[1]) for n in names}
+        roles = {n: Role.ROLLOUT if index[n] < rollout.get(specs[n].name, 0) else Role.TRAINER for n in names}
     elif sc.rollout_pool:
         roles = {n: Role.ROLLOUT if specs[n].name == sc.rollout_pool else Role.TRAINER for n in names}
     else:

@@ -111,3 +111,27 @@ def test_plan_fleet_writes_a_runnable_config(tmp_path: Path) -> None:
     # the rest of the config is kept as it was
     source = load_config(CONFIGS / "flux.toml")
     assert replace(written.rollout) == source.rollout and written.reward == source.reward
+
+
+def test_bench_bubbles_runs_the_planned_split(tmp_path: Path) -> None:
+    """`bench bubbles --plan`: the planned schedule's row runs the planner's split and token sizes, so its
+    samples/s is the planner's own prediction. The file's fixed split makes the H800s generate; the planner
+    gives generation to the slower L40S and training to the H800s, and that row is faster."""
+    from digenrl.plan.fleet import plan_scenario
+    from digenrl.sim.bench import run_bubbles
+
+    file = tmp_path / "mixed.toml"
+    file.write_text('model = "flux"\nprompts = 4\ngroup_size = 4\nnum_steps = 8\ntrained_steps = 3\n'
+                    'rollout_pool = "H800"\n[[pools]]\ndevice = "H800"\ncount = 2\n'
+                    '[[pools]]\ndevice = "L40S"\ncount = 2\n')
+    user = load_scenario(file)
+    split, result = plan_scenario(user.scenario, user.pools, final_batches=6)
+    assert split.rollout == (("L40S", 2),) and split.schedule == "async1"
+    (fixed,) = run_bubbles([str(file)], ["async1"], 6, decomposition=False).rows
+    (planned,) = run_bubbles([str(file)], ["async1"], 6, decomposition=False,
+                             planned={user.scenario.name: split}).rows
+    assert not fixed["planned"] and planned["planned"]
+    assert fixed["bubble_by_pool"]["H800"] == pytest.approx(fixed["bubble_ratio"]["rollout"])  # H800s generate
+    assert planned["bubble_by_pool"]["L40S"] == pytest.approx(planned["bubble_ratio"]["rollout"])  # L40S do
+    assert planned["samples_per_s"] == pytest.approx(result.best.samples_per_s, rel=1e-9)
+    assert planned["samples_per_s"] > fixed["samples_per_s"]
