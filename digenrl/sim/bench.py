@@ -24,6 +24,7 @@ from digenrl.sim.engine import simulate
 from digenrl.sim.peers import PEERS, simulate_peer
 from digenrl.sim.profiles import profile
 from digenrl.sim.scenarios import DEFAULT_BATCHES, SCENARIOS, PlannedSplit, Scenario, placement, scenario
+from digenrl.sim.user import load_scenario
 from digenrl.telemetry.spans import Timeline, busy_seconds
 from digenrl.telemetry.stats import summarize
 from digenrl.telemetry.trace import write_gantt, write_trace
@@ -163,7 +164,7 @@ def run_bubbles(scenarios: list[str] | None = None, schedules: list[str] | None 
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
     for name in names:
-        sc = scenario(name)
+        sc = load_scenario(name).scenario if name.endswith(".toml") else scenario(name)
         results: list[Timeline] = []
         base_sps = None
         rows = []

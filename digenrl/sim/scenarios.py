@@ -120,15 +120,11 @@ SCENARIOS: dict[str, Scenario] = {
 
 
 def scenario(name: str) -> Scenario:
-    """Scenario by name, or from a user scenario file (``*.toml``, see ``user.py``).
+    """Built-in scenario by name (user scenario files: :func:`digenrl.sim.user.load_scenario`).
 
     Raises:
         ConfigError: unknown name; lists the known ones.
     """
-    if name.endswith(".toml"):
-        from digenrl.sim.user import load_scenario
-
-        return load_scenario(name).scenario
     if name not in SCENARIOS:
         raise ConfigError(f"unknown scenario {name!r}; known: {', '.join(SCENARIOS)}")
     return SCENARIOS[name]
