@@ -152,6 +152,9 @@ class RolloutConfig:
     # Members of a group share x_0 (DanceGRPO's init_same_noise; ALGORITHM (e).13): reward differences
     # inside a group then come only from the transition noise the policy gradient credits.
     same_init_noise: bool = False
+    # Samples per VAE decode call when a fragment is decoded (0 = all of them at once). A video VAE
+    # keeps every frame's activations: 24 samples of 33 frames at once are ~155 GB (`digenrl plan`).
+    decode_batch: int = 0
 
     def window_bounds(self) -> tuple[int, int] | None:
         """``window_range`` as the ``plan_steps`` argument (None: the default range)."""
@@ -173,6 +176,8 @@ class RolloutConfig:
         _check("rollout.fraction", 0 < self.fraction <= 1, "in (0, 1]", self.fraction)
         _check("rollout.group_size", self.group_size >= 2, ">= 2 (advantages compare within a group)", self.group_size)
         _check("rollout.prompts_per_batch", self.prompts_per_batch >= 1, ">= 1", self.prompts_per_batch)
+        _check("rollout.decode_batch", self.decode_batch >= 0, ">= 0 (0: a fragment's samples at once)",
+               self.decode_batch)
 
 
 @dataclass(frozen=True)

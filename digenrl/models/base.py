@@ -18,7 +18,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-__all__ = ["Cond", "GeneratorModel", "index_cond", "cat_cond", "repeat_cond"]
+__all__ = ["Cond", "GeneratorModel", "index_cond", "cat_cond", "repeat_cond", "decode_in_chunks"]
 
 Cond = dict[str, torch.Tensor]
 
@@ -65,3 +65,10 @@ class GeneratorModel(Protocol):
     def decode(self, x: torch.Tensor) -> torch.Tensor:
         """Images ``[B, 3, H, W]`` (or videos ``[B, 3, F, H, W]``) in [0, 1] from clean latents."""
         ...
+
+
+def decode_in_chunks(model: GeneratorModel, x: torch.Tensor, batch: int) -> torch.Tensor:
+    """``model.decode(x)`` at most ``batch`` samples per VAE call (``rollout.decode_batch``; 0 = all at once)."""
+    if batch <= 0 or x.shape[0] <= batch:
+        return model.decode(x)
+    return torch.cat([model.decode(chunk) for chunk in x.split(batch)])

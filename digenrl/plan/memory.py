@@ -100,6 +100,9 @@ class MemoryPlan:
     # what the activations scale with: bytes per training row and the row-independent part, per role
     train_row_bytes: int = 0
     train_activations: int = 0  # of one training pass (a role's activations may be its rollout peak instead)
+    rollout_forward: int = 0  # one no-grad forward of a rollout token's samples
+    decode_sample: int = 0  # decoding one sample (rollout.decode_batch of them at once)
+    decode_samples: int = 0  # samples decoded at once now
 
     @property
     def fits(self) -> bool:
@@ -290,7 +293,7 @@ def memory_plan(cfg: Config, traces: Traces | None = None) -> MemoryPlan:
     branches = _cfg_branches(cfg)
     train_act, one_row_act = traces.train(rows * branches), traces.train(branches)
     forward_act, decode_act = traces.forward(roll_samples * branches), traces.decode()
-    decode_peak = decode_act * roll_samples
+    decode_peak = decode_act * min(roll_samples, cfg.rollout.decode_batch or roll_samples)
     rollout_act = max(forward_act, decode_peak)
 
     lora = m.finetune == "lora"
@@ -342,13 +345,27 @@ def memory_plan(cfg: Config, traces: Traces | None = None) -> MemoryPlan:
     return MemoryPlan(m.name, getattr(parts, "variant", ""), m.preset, device, capacity, shard, n_transformer, n_text,
                       n_vae, rows, ACTIVATIONS_METHOD, roles,
                       train_row_bytes=(train_act - one_row_act) // (rows - 1) if rows > 1 else one_row_act,
-                      train_activations=train_act)
+                      train_activations=train_act, rollout_forward=forward_act, decode_sample=decode_act,
+                      decode_samples=min(roll_samples, cfg.rollout.decode_batch or roll_samples))
+
+
+def _decode_advice(plan: MemoryPlan, r: RoleMemory) -> str:
+    """``rollout.decode_batch = K`` when decoding fewer samples at once would make a generating role fit."""
+    if not r.vae or plan.decode_sample <= 0:
+        return ""
+    room = r.capacity - RESERVE_BYTES - (r.bytes_per_device - r.activations)
+    others = max(plan.rollout_forward, plan.train_activations if r.role != "rollout" else 0)
+    most = room // plan.decode_sample
+    if others > room or most < 1 or most >= plan.decode_samples:
+        return ""
+    return f"rollout.decode_batch = {int(most)} or less (samples per VAE decode call)"
 
 
 def _advice(cfg: Config, plan: MemoryPlan, r: RoleMemory) -> str:
     """The config key to change for a role that does not fit, and to what."""
     over = -r.headroom
     tr = cfg.train
+    decode = _decode_advice(plan, r)
     if r.role in ("trainer", "colocated"):
         if r.role == "colocated" and cfg.model.device.startswith("cuda"):
             lead = ("schedule.name: the colocated loop keeps weights, optimizer state, VAE and the rollout "
@@ -378,6 +395,7 @@ def _advice(cfg: Config, plan: MemoryPlan, r: RoleMemory) -> str:
                                "gradients and Adam states split over the trainers)")
         if cfg.model.finetune == "full":
             options.append("model.finetune = 'lora'")
+        options += [decode] if decode else []
         hint = "; or ".join(options) or "a larger placement.gpu"
         return f"{lead}; or {hint}" if lead else f"change {hint}"
     if r.role == "rollout":
@@ -386,6 +404,8 @@ def _advice(cfg: Config, plan: MemoryPlan, r: RoleMemory) -> str:
             key = "placement.rollout_gpu" if cfg.placement.rollout_gpu else "placement.gpu"
             return (f"the weights and VAE alone do not fit: change {key} to a larger device type"
                     + (" (model.device = 'cpu' plans this host's memory)" if r.device == "cpu" else ""))
+        if decode:
+            options.append(decode)
         if r.text_encoders:
             options.append("model.offload_text_encoder = true")
         options.append("schedule.fragment_groups (fewer prompts per rollout token) or schedule.rollout_batch")

@@ -28,7 +28,7 @@ import torch
 
 from digenrl.config import Config
 from digenrl.data.prompts import batch_prompts, load_prompts
-from digenrl.models import GeneratorModel, repeat_cond
+from digenrl.models import GeneratorModel, decode_in_chunks, repeat_cond
 from digenrl.models.lora import reference, sampling, save_trainable
 from digenrl.policy import build_model
 from digenrl.rewards import build_reward
@@ -127,7 +127,7 @@ def iteration(run: ColocatedRun, it: int) -> tuple[dict[str, Any], torch.Tensor,
                             noise=lambda i: transition_noise(cfg.log.seed, it, sids, i, x0, active=plan.stochastic[:, i]),
                             policy_version=it)
     t1 = time.perf_counter()
-    images = model.decode(res.x)
+    images = decode_in_chunks(model, res.x, ro.decode_batch)
     t2 = time.perf_counter()
     failures = run.reward.failures
     rewards = run.reward.score(images, prompts)

@@ -21,7 +21,7 @@ import torch
 
 from digenrl.config import Config
 from digenrl.errors import StalenessViolation
-from digenrl.models import GeneratorModel, cat_cond, repeat_cond
+from digenrl.models import GeneratorModel, cat_cond, decode_in_chunks, repeat_cond
 from digenrl.models.lora import sampling
 from digenrl.policy import trained_steps
 from digenrl.rl.noise import initial_keys, initial_latents, transition_noise
@@ -197,7 +197,7 @@ class FragmentEngine:
         if self.reward is None:
             raise RuntimeError("this engine has no reward function")
         t0 = time.perf_counter()
-        images = self.model.decode(frag.x)
+        images = decode_in_chunks(self.model, frag.x, self.cfg.rollout.decode_batch)
         decode_s = time.perf_counter() - t0
         sample_prompts = [prompts[p] for p in frag.prompt_ids()]
         failures = self.reward.failures

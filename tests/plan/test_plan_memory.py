@@ -106,6 +106,19 @@ def test_advice_only_names_changes_that_can_fit() -> None:
                                                           f"placement.trainer={need}"]))
 
 
+def test_decode_batch_bounds_the_decode_peak() -> None:
+    # DanceGRPO's HunyuanVideo recipe (G = 24): decoding a fragment's 24 videos at once needs ~155 GB
+    recipe = ["rollout.prompts_per_batch=16", "rollout.group_size=24", "rollout.num_steps=16", "rollout.window=3",
+              "schedule.fragment_groups=1", "rollout.decode_batch=0"]
+    with pytest.raises(ConfigError, match=r"rollout\.decode_batch = (\d+) or less") as err:
+        check_memory(load_config(CONFIGS / "hunyuanvideo.toml", recipe))
+    most = int(re.search(r"decode_batch = (\d+)", str(err.value)).group(1))
+    fits = memory_plan(load_config(CONFIGS / "hunyuanvideo.toml", [*recipe, f"rollout.decode_batch={most}"]))
+    over = memory_plan(load_config(CONFIGS / "hunyuanvideo.toml", [*recipe, f"rollout.decode_batch={most + 1}"]))
+    assert fits.roles["rollout"].fits and not over.roles["rollout"].fits
+    assert fits.roles["rollout"].activations == max(fits.rollout_forward, most * fits.decode_sample)
+
+
 def test_colocated_baseline_of_a_real_config_does_not_fit() -> None:
     with pytest.raises(ConfigError, match=r"colocated role needs .* schedule\.name"):
         check_memory(load_config(CONFIGS / "qwenimage.toml", ["schedule.name=colocated"]))
