@@ -110,6 +110,8 @@ def _fleet(config: Path, overrides: list[str], fleet: str, write: Path | None, t
         mem = ", ".join(f"{role} {m['gb']:.0f}/{m['capacity_gb']:.0f} {m['device']}" for role, m in c.memory.items())
         lines.append(f"{i:>2}  {c.split:44s} {c.tag_steps:>9} {c.fragment_groups:>11} {c.rows_per_pass:>9} "
                      f"{c.samples_per_s:>10.3f} {c.bubble_rollout:>8.1%} {c.bubble_trainer:>8.1%} {c.staleness:>5}  {mem}")
+        if len(c.bubble_by_pool) > 1:
+            lines.append("    bubble per pool: " + ", ".join(f"{t} {b:.1%}" for t, b in c.bubble_by_pool.items()))
     lines += [f"unused: {u}" for u in result.unused] + [f"note: {n}" for n in result.notes]
     typer.echo("\n".join(lines))
     if json_out is not None:

@@ -61,6 +61,7 @@ class Candidate:
     bubble_rollout: float = 0.0
     bubble_trainer: float = 0.0
     staleness: int = 0
+    bubble_by_pool: dict[str, float] = field(default_factory=dict)  # device type -> mean bubble, any role
     memory: dict[str, dict[str, float]] = field(default_factory=dict)  # role -> {gb, capacity_gb, device}
 
     @property
@@ -145,6 +146,7 @@ def plan_fleet(cfg: Config, pools: tuple[Pool, ...], *, top: int = 5, batches: i
     from digenrl.schedule.base import Device, Role, Workload
     from digenrl.schedule.options import PRESETS, resolve, with_overrides
     from digenrl.sim.calibration import calibrated_params
+    from digenrl.sim.bench import pool_bubbles
     from digenrl.sim.cost import CostModel
     from digenrl.sim.devices import device_spec
     from digenrl.sim.engine import simulate
@@ -246,8 +248,10 @@ def plan_fleet(cfg: Config, pools: tuple[Pool, ...], *, top: int = 5, batches: i
                                  **{k: v for k, v in cfg.schedule_options.items() if k not in ("tag_steps",
                                                                                                "fragment_groups")},
                                  **({"staleness": cfg.schedule.staleness} if cfg.schedule.staleness else {}))
-        st = summarize(simulate(schedule, devices, w, cost))
+        res = simulate(schedule, devices, w, cost)
+        st = summarize(res)
         simulations += 1
+        cand.bubble_by_pool = pool_bubbles(res, sorted(set(order)), st.steady.start, st.steady.end)
         cand.samples_per_s, cand.staleness = st.steady.samples_per_s, st.max_staleness
         cand.bubble_rollout, cand.bubble_trainer = st.steady.bubble_rollout, st.steady.bubble_trainer
 

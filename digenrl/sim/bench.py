@@ -29,7 +29,7 @@ from digenrl.telemetry.spans import Timeline, busy_seconds
 from digenrl.telemetry.stats import summarize
 from digenrl.telemetry.trace import write_gantt, write_trace
 
-__all__ = ["BubbleReport", "run_bubbles", "simulate_pair", "DEFAULT_SCENARIOS", "RUNS"]
+__all__ = ["BubbleReport", "run_bubbles", "simulate_pair", "pool_bubbles", "DEFAULT_SCENARIOS", "RUNS"]
 
 # The default selection: the paper scenarios and the heterogeneous testbed (the scaling sweep is
 # selected by name, e.g. ``--scenario scale-1024``).
@@ -98,7 +98,7 @@ def _row(sc: Scenario, res: Timeline, sim_s: float, planned: bool = False) -> di
         "planned": planned,
         "samples_per_s": s.samples_per_s, "speedup_vs_colocated": None,
         "bubble_ratio": {"rollout": s.bubble_rollout, "trainer": s.bubble_trainer, "overall": s.bubble_overall},
-        "bubble_by_pool": _pool_bubbles(sc, res, s.start, s.end),
+        "bubble_by_pool": pool_bubbles(res, [t for t, _ in sc.pools], s.start, s.end),
         "max_staleness": st.max_staleness,
         "weight_sync_share": s.weight_sync_share, "switch_share": s.switch_share,
         "aborted_share": _aborted_share(res, s.start, s.end),
@@ -109,10 +109,11 @@ def _row(sc: Scenario, res: Timeline, sim_s: float, planned: bool = False) -> di
     }
 
 
-def _pool_bubbles(sc: Scenario, res: Timeline, start: float, end: float) -> dict[str, float]:
-    """Mean bubble of each pool (device type) in the window, whatever roles its devices hold."""
+def pool_bubbles(res: Timeline, pools: list[str], start: float, end: float) -> dict[str, float]:
+    """Mean bubble of each pool (device type; devices are named ``<type>-<i>``) in the window, whatever
+    roles its devices hold."""
     length = max(end - start, 1e-12)
-    types = {t.lower(): t for t, _ in sc.pools}
+    types = {t.lower(): t for t in pools}
     spans: dict[str, list[Any]] = {}
     for span in res.spans:
         spans.setdefault(span.device, []).append(span)

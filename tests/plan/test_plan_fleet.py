@@ -134,4 +134,5 @@ def test_bench_bubbles_runs_the_planned_split(tmp_path: Path) -> None:
     assert fixed["bubble_by_pool"]["H800"] == pytest.approx(fixed["bubble_ratio"]["rollout"])  # H800s generate
     assert planned["bubble_by_pool"]["L40S"] == pytest.approx(planned["bubble_ratio"]["rollout"])  # L40S do
     assert planned["samples_per_s"] == pytest.approx(result.best.samples_per_s, rel=1e-9)
+    assert planned["bubble_by_pool"] == pytest.approx(result.best.bubble_by_pool, rel=1e-9)  # what plan prints
     assert planned["samples_per_s"] > fixed["samples_per_s"]
