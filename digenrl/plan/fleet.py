@@ -22,8 +22,9 @@ device a pass's peak is exactly affine in its batch (every activation scales wit
 with exact traces), so this is the memory plan's own figure, not an approximation. Each simulation runs ``batches`` optimizer
 steps (default 6: one warm-up, five steady); the best five are simulated again over 20 (a short run's
 steady window is narrow enough to misrank close candidates). A simulation costs time linear in devices x
-tokens, and the split search needs about 9 + 2·log2(N/8) of them plus a fixed ~25 for the token sizes
-and finalists, so a 1024-device search is ~45 simulations of 1024 devices.
+tokens, and the split search needs about 9 + 2·log2(N/8) of them plus a fixed ~30 for the token sizes
+and finalists. Measured (Qwen-Image, one prompt per GPU, this 2-core host): 32 H800s 42 simulations in
+5 s, 128 in 9 s, 512 in 28 s, 1024 H800s 55 simulations in 67 s.
 """
 
 from __future__ import annotations
