@@ -58,6 +58,9 @@ def plan(
                                                "config here.")] = None,
     top: Annotated[int, typer.Option("--top", min=1, help="--fleet: how many placements to show.")] = 5,
     batches: Annotated[int, typer.Option("--batches", min=3, help="--fleet: optimizer steps per simulation.")] = 6,
+    costs: Annotated[Path | None, typer.Option("--costs", help="--fleet: price tokens with the costs a `digenrl "
+                                               "bench bubbles --real` report measured (its bubbles.json) instead of "
+                                               "the model's GPU profile: a plan for that machine.")] = None,
 ) -> None:
     """Memory per role and device at the model's real size (built on the meta device, no weights);
     exits 1 when a role does not fit, naming the key to change. With --fleet: the best placements of
@@ -66,7 +69,7 @@ def plan(
     from digenrl.plan.memory import check_memory, memory_plan
 
     if fleet is not None:
-        _fleet(config, set_ or [], fleet, write, top, batches, json_out)
+        _fleet(config, set_ or [], fleet, write, top, batches, json_out, costs)
         return
     try:
         cfg = load_config(config, set_ or [])
@@ -87,18 +90,20 @@ def plan(
 
 
 def _fleet(config: Path, overrides: list[str], fleet: str, write: Path | None, top: int, batches: int,
-           json_out: Path | None) -> None:
+           json_out: Path | None, costs: Path | None = None) -> None:
     import time
 
     from digenrl.config import load_config
     from digenrl.plan.fleet import plan_fleet, write_config
+    from digenrl.sim.measured import MeasuredCost
     from digenrl.sim.user import fleet_pools, load_scenario
 
     start = time.perf_counter()
     try:
         cfg = load_config(config, overrides)
         pools = load_scenario(fleet).pools if fleet.endswith(".toml") else fleet_pools(fleet)
-        result = plan_fleet(cfg, pools, top=top, batches=batches)
+        measured = MeasuredCost.from_report(costs) if costs is not None else None
+        result = plan_fleet(cfg, pools, top=top, batches=batches, measured=measured)
     except ConfigError as exc:
         typer.secho(f"plan error: {exc}", fg=typer.colors.RED, err=True)
         raise typer.Exit(2) from exc
@@ -130,4 +135,5 @@ def register(app: typer.Typer) -> None:
         "digenrl plan configs/qwenimage.toml --set schedule.name=colocated   # the baseline on one GPU",
         "digenrl plan configs/qwenimage.toml --fleet 32xH800 --write runs/qwen-32.toml",
         "digenrl plan configs/flux.toml --fleet 8xH800+16xL40S",
-        "digenrl plan configs/flux.toml --fleet my-cluster.toml   # [[pools]] device, count, roles"))(plan)
+        "digenrl plan configs/flux.toml --fleet my-cluster.toml   # [[pools]] device, count, roles",
+        "digenrl plan configs/tiny-qwenimage.toml --fleet 2xmeasured --costs runs/real/bubbles.json"))(plan)

@@ -39,6 +39,7 @@ from typing import Any
 from digenrl.config import Config, load_config
 from digenrl.errors import ConfigError
 from digenrl.plan.memory import GB, MemoryPlan, Traces, memory_plan, traces_for
+from digenrl.sim.measured import MeasuredCost
 from digenrl.sim.scenarios import PlannedSplit, Scenario
 from digenrl.sim.user import ARCH_OF_MODEL, Pool
 
@@ -136,8 +137,11 @@ def _max_rows(cfg: Config, traces: Traces, cap_rows: int) -> tuple[int, MemoryPl
 
 
 def plan_fleet(cfg: Config, pools: tuple[Pool, ...], *, top: int = 5, batches: int = 6,
-               final_batches: int = 20) -> FleetPlan:
+               final_batches: int = 20, measured: MeasuredCost | None = None) -> FleetPlan:
     """Search placements of ``cfg`` on ``pools`` (see the module docstring); best first.
+
+    ``measured``: price tokens with costs measured on the fleet's device (``bench bubbles --real``)
+    instead of the model's GPU profile: a plan for the very machine the bench ran on (one pool type).
 
     Raises:
         ConfigError: no placement fits the fleet's memory, or the schedule cannot use the fleet.
@@ -165,6 +169,13 @@ def plan_fleet(cfg: Config, pools: tuple[Pool, ...], *, top: int = 5, batches: i
     traces = traces_for(cfg, linear=True)
     notes = [f"simulated with the {prof.name} profile (paper resolution) and the calibrated cost model; "
              f"memory from {cfg.model.name} {cfg.model.variant or ''} at its configured resolution".replace("  ", " ")]
+    if measured is not None:
+        if len({p.device for p in pools}) > 1:
+            raise ConfigError("--costs: measured costs are those of one machine; plan a fleet of one device type "
+                              f"with them (got {', '.join(sorted({p.device for p in pools}))})")
+        notes[0] = (f"simulated with the token costs measured by `bench bubbles --real` on this device type "
+                    f"({', '.join(f'{k} {v[1] * 1e3:.3f} ms/unit' for k, v in sorted(measured.fits.items()) if v[1])}); "
+                    f"memory from {cfg.model.name} at its configured resolution")
     ref = device_spec("H800").peak_bf16_flops
     if cfg.model.name == "wan21" and cfg.model.variant == "1.3B":
         notes.append("the simulator's Wan profile is the 14B model: samples/s are those of 14B compute, memory is 1.3B's")
@@ -242,8 +253,9 @@ def plan_fleet(cfg: Config, pools: tuple[Pool, ...], *, top: int = 5, batches: i
             names.append(name)
             specs[name] = device_spec(t)
             roles[name] = Role.ROLLOUT if i < r else Role.TRAINER
-        devices = [Device(n, roles[n], specs[n].peak_bf16_flops / ref) for n in names]
-        cost = CostModel(prof, specs, params, roles)
+        # measured costs are already this device's seconds: speed 1
+        devices = [Device(n, roles[n], 1.0 if measured else specs[n].peak_bf16_flops / ref) for n in names]
+        cost = measured or CostModel(prof, specs, params, roles)
         schedule = make_schedule(cfg.schedule.name, devices, w, cost, tag_steps=cand.tag_steps,
                                  fragment_groups=cand.fragment_groups,
                                  **{k: v for k, v in cfg.schedule_options.items() if k not in ("tag_steps",

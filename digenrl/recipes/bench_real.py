@@ -38,7 +38,6 @@ import logging
 import os
 import statistics
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -46,8 +45,9 @@ from digenrl.actors.loop import run as run_loop
 from digenrl.config import ACTOR_SCHEDULES, load_config
 from digenrl.errors import ConfigError
 from digenrl.schedule import make_schedule
-from digenrl.schedule.base import Device, Role, Token, TokenKind, Workload
+from digenrl.schedule.base import Device, Role, Token, Workload
 from digenrl.sim.engine import simulate
+from digenrl.sim.measured import MeasuredCost
 from digenrl.telemetry.spans import Timeline, window_bubbles
 from digenrl.telemetry.stats import summarize
 
@@ -57,55 +57,6 @@ __all__ = ["MeasuredCost", "run_real_bubbles", "REAL_DEFAULT_SCHEDULES", "DEFAUL
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "tiny-qwenimage.toml"
 REAL_DEFAULT_SCHEDULES = ("colocated", "disaggregated", "tag", "async1", "async1+reward")
-
-
-def _units(token: Token) -> float:
-    if token.kind is TokenKind.ROLLOUT:
-        return float(token.num_samples * (token.step_end - token.step_start))
-    if token.kind is TokenKind.REWARD:
-        return float(token.num_samples)
-    if token.kind is TokenKind.TRAIN:
-        return float(token.transitions)
-    return 1.0
-
-
-@dataclass(frozen=True)
-class MeasuredCost:
-    """A cost estimate fitted to measured tokens: ``seconds = overhead + per_unit x units`` per kind."""
-
-    fits: dict[str, tuple[float, float]] = field(default_factory=dict)  # kind -> (overhead, per unit)
-
-    @classmethod
-    def fit(cls, samples: list[tuple[Token, float]]) -> MeasuredCost:
-        """Least squares per token kind (overhead clamped at >= 0; one unit size: per-unit mean)."""
-        by: dict[str, list[tuple[float, float]]] = {}
-        for token, secs in samples:
-            by.setdefault(token.kind.value, []).append((_units(token), secs))
-        fits = {}
-        for kind, pts in by.items():
-            xs, ys = [p[0] for p in pts], [p[1] for p in pts]
-            mx, my = statistics.fmean(xs), statistics.fmean(ys)
-            var = sum((x - mx) ** 2 for x in xs)
-            slope = sum((x - mx) * (y - my) for x, y in pts) / var if var > 0 else 0.0
-            overhead = my - slope * mx
-            if var == 0 or slope <= 0 or overhead < 0:
-                overhead, slope = (0.0, my / mx) if mx > 0 else (my, 0.0)
-            fits[kind] = (overhead, slope)
-        return cls(fits)
-
-    def seconds(self, token: Token, device: Device) -> float:
-        overhead, per = self.fits.get(token.kind.value, (1e-3, 0.0))
-        return max(1e-4, overhead + per * _units(token)) / device.speed
-
-    def tag_switch_seconds(self, name: str, to_helper: bool = True) -> float:
-        return 0.0  # a TAG trainer holds the newest weights already: no onload/offload on CPU
-
-    def scaled(self, factor: float) -> MeasuredCost:
-        """Every cost ``factor`` times as long (e.g. two busy processes sharing the machine's memory)."""
-        return MeasuredCost({k: (o * factor, p * factor) for k, (o, p) in self.fits.items()})
-
-    def to_dict(self) -> dict[str, dict[str, float]]:
-        return {k: {"overhead_s": o, "per_unit_s": p} for k, (o, p) in self.fits.items()}
 
 
 def _colocated(cfg: Any, iterations: int) -> tuple[dict[str, Any], MeasuredCost, Workload]:

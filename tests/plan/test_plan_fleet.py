@@ -136,3 +136,29 @@ def test_bench_bubbles_runs_the_planned_split(tmp_path: Path) -> None:
     assert planned["samples_per_s"] == pytest.approx(result.best.samples_per_s, rel=1e-9)
     assert planned["bubble_by_pool"] == pytest.approx(result.best.bubble_by_pool, rel=1e-9)  # what plan prints
     assert planned["samples_per_s"] > fixed["samples_per_s"]
+
+
+def test_measured_costs_plan_the_machine_they_were_measured_on(tmp_path: Path) -> None:
+    import json
+
+    from digenrl.policy import trained_steps
+    from digenrl.sim.measured import MeasuredCost
+
+    per_unit = {"rollout": 3e-4, "reward": 9e-4, "train": 9e-4}
+    report = tmp_path / "bubbles.json"
+    report.write_text(json.dumps({"calibration": {"measured_costs": {
+        k: {"overhead_s": 0.0, "per_unit_s": v} for k, v in per_unit.items()}}}))
+    cost = MeasuredCost.from_report(report)
+    cfg = load_config(CONFIGS / "tiny-qwenimage.toml")
+    best = plan_fleet(cfg, fleet_pools("2xmeasured"), batches=4, final_batches=8, measured=cost).best
+    # two devices can at best spend all their seconds on work: samples/s <= 2 / (seconds of work per sample)
+    per_sample = (per_unit["rollout"] * cfg.rollout.num_steps + per_unit["reward"]
+                  + per_unit["train"] * trained_steps(cfg))
+    assert 0.8 * 2 / per_sample <= best.samples_per_s <= 2 / per_sample * 1.001
+    with pytest.raises(ConfigError, match="one device type"):
+        plan_fleet(cfg, fleet_pools("1xmeasured+1xH800"), batches=4, measured=cost)
+    with pytest.raises(ConfigError, match=r"nope\.json: no such file; .*bench bubbles --real"):
+        MeasuredCost.from_report(tmp_path / "nope.json")
+    report.write_text('{"rows": []}')
+    with pytest.raises(ConfigError, match="not a `digenrl bench bubbles --real` report"):
+        MeasuredCost.from_report(report)

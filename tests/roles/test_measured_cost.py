@@ -7,8 +7,9 @@ import json
 import pytest
 
 from digenrl.errors import ConfigError
-from digenrl.recipes.bench_real import MeasuredCost, run_real_bubbles
+from digenrl.recipes.bench_real import run_real_bubbles
 from digenrl.schedule.base import Device, Role, Token, TokenKind
+from digenrl.sim.measured import MeasuredCost
 
 
 def _tok(kind: TokenKind, samples: int = 0, steps: int = 0, rows: int = 0) -> Token:
