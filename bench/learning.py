@@ -41,7 +41,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 
 # Prompt sets per reward: the colour reward needs colour words; JPEG and OCR take any prompt set.
-_PROMPT_SET = {"color": "color", "ocr": "ocr"}
+_PROMPT_SET = {"color": "color", "ocr": "ocr", "shapes": "shapes"}
 
 
 def window_stats(curve: list[float], w: int = 5) -> dict[str, float]:
@@ -92,7 +92,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default=str(ROOT / "configs" / "tiny-qwenimage.toml"))
     ap.add_argument("--iters", type=int, default=60)
-    ap.add_argument("--reward", default="color", choices=["color", "jpeg_compressibility", "jpeg_incompressibility", "ocr"])
+    ap.add_argument("--reward", default="color", choices=["color", "shapes", "jpeg_compressibility", "jpeg_incompressibility", "ocr"])
     ap.add_argument("--control", default="none", choices=["none", "shuffled", "negated"])
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=2)

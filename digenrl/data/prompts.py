@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
+from digenrl.data.shapes import SHAPE_PROMPTS
 from digenrl.errors import ConfigError
 
 __all__ = ["PROMPT_SETS", "load_prompts", "batch_prompts"]
@@ -21,6 +22,8 @@ PROMPT_SETS: dict[str, tuple[str, ...]] = {
         "a cat", "a dog", "a house", "a tree", "a mountain lake", "a city at night", "a bowl of fruit",
         "a red car", "a sailing boat", "a forest path", "a portrait of an old man", "a field of flowers",
     ),
+    # "a red circle on a blue background": the shapes dataset's 168 prompts, for the ``shapes`` reward.
+    "shapes": SHAPE_PROMPTS,
     "ocr": tuple(f'a sign that says "{w}"' for w in ("HELLO", "OPEN", "STOP", "EXIT", "SALE", "CAFE", "42", "RL")),
 }
 

@@ -28,6 +28,12 @@ def _color() -> Reward:
     return ColorReward()
 
 
+def _shapes() -> Reward:
+    from digenrl.rewards.shapes import ShapesReward
+
+    return ShapesReward()
+
+
 def _ocr() -> Reward:
     from digenrl.rewards.ocr import OcrReward
 
@@ -38,6 +44,7 @@ _FACTORIES: dict[str, Callable[[], Reward]] = {
     "jpeg_compressibility": _jpeg_c,
     "jpeg_incompressibility": _jpeg_i,
     "color": _color,
+    "shapes": _shapes,
     "ocr": _ocr,
 }
 # "remote" is built from a URL, so it is not in the zero-argument factory table.

@@ -44,7 +44,7 @@ def test_shipped_config_loads_with_overrides() -> None:
         ("model.preset=pretrained;model.vae_init=default", r"model.path: must be set for preset 'pretrained'"),
         ("reward.weights={aesthetic=1.0}", r"reward.weights.aesthetic: 'aesthetic' is not allowed"),
         ("reward.weights={remote=1.0}", r"reward.url: must be set when 'remote' is weighted"),
-        ("data.prompt_set=imagenet", r"data.prompt_set: 'imagenet' is not allowed; allowed: 'color', 'simple', 'ocr'"),
+        ("data.prompt_set=imagenet", r"data.prompt_set: 'imagenet' is not allowed; allowed: 'color', 'simple', 'shapes', 'ocr'"),
         ("schedule.name=magic", r"schedule.name: 'magic' is not allowed; allowed: 'colocated', 'disaggregated'"),
         ("schedule.mode=colocated", r"schedule.mode: renamed to schedule.name"),
         ("placement.processes=1", r"placement.processes: removed"),
