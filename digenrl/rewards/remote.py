@@ -15,6 +15,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Sequence
+from urllib.parse import urlsplit, urlunsplit
 
 import torch
 
@@ -30,7 +31,8 @@ class RemoteReward:
     """Scores batches by POSTing them to ``url``.
 
     Args:
-        url: the service endpoint, e.g. ``http://127.0.0.1:18085/score``.
+        url: the service endpoint, e.g. ``http://127.0.0.1:8000/score`` (what
+            ``python -m digenrl.rewards.server --port 8000`` prints; it scores on the base URL too).
         timeout: seconds per attempt.
         retries: extra attempts after the first for transient failures.
         backoff: first retry delay in seconds (doubles each retry).
@@ -73,11 +75,20 @@ class RemoteReward:
         reply = self._post(body)
         scores = reply.get("scores") if isinstance(reply, dict) else None
         if not isinstance(scores, list) or len(scores) != images.shape[0]:
-            raise RewardError(f"{self.url}: expected {images.shape[0]} scores, got {str(reply)[:200]}")
+            raise RewardError(f"{self._who}: expected {images.shape[0]} scores, got {str(reply)[:200]}")
         try:
             return torch.tensor([float(s) for s in scores], dtype=torch.float32)
         except (TypeError, ValueError) as exc:
-            raise RewardError(f"{self.url}: non-numeric scores {scores[:8]}") from exc
+            raise RewardError(f"{self._who}: non-numeric scores {scores[:8]}") from exc
+
+    @property
+    def _who(self) -> str:
+        return f"reward {self.name!r} at {self.url}"
+
+    def _scoring_url(self) -> str:
+        """The URL digenrl's own server scores on, on this URL's host and port."""
+        parts = urlsplit(self.url)
+        return urlunsplit((parts.scheme, parts.netloc, "/score", "", ""))
 
     def _post(self, body: bytes) -> object:
         delay = self.backoff
@@ -89,18 +100,28 @@ class RemoteReward:
                     return json.loads(resp.read())
             except urllib.error.HTTPError as exc:
                 detail = _error_text(exc)
+                if exc.code == 404:
+                    raise RewardError(f"{self._who}: HTTP 404 ({detail}): no scoring endpoint there; set reward.url "
+                                      f"to the URL the reward server prints (`python -m digenrl.rewards.server` "
+                                      f"scores on {self._scoring_url()})") from exc
                 if exc.code < 500:
-                    raise RewardError(f"{self.url}: HTTP {exc.code}: {detail}") from exc
+                    raise RewardError(f"{self._who}: HTTP {exc.code}: {detail}") from exc
                 last = f"HTTP {exc.code}: {detail}"
             except (urllib.error.URLError, socket.timeout, ConnectionError, TimeoutError) as exc:
                 last = f"{type(exc).__name__}: {getattr(exc, 'reason', exc)}"
             except json.JSONDecodeError as exc:
-                raise RewardError(f"{self.url}: answer is not JSON ({exc})") from exc
+                raise RewardError(f"{self._who}: answer is not JSON ({exc})") from exc
             if attempt < self.retries:
                 log.warning("reward server %s: attempt %d failed (%s); retrying in %.2fs", self.url, attempt + 1, last, delay)
                 time.sleep(delay)
                 delay *= 2
-        raise RewardError(f"{self.url}: failed after {self.retries + 1} attempts: {last}")
+        hint = ""
+        if not last.startswith("HTTP"):  # nothing answered: say how to start the server this URL expects
+            parts = urlsplit(self.url)
+            port = parts.port or (443 if parts.scheme == "https" else 80)
+            hint = (f"; is the reward server running? `python -m digenrl.rewards.server --reward NAME --port {port}` "
+                    f"serves {self._scoring_url()}; set reward.url to the URL it prints")
+        raise RewardError(f"{self._who}: failed after {self.retries + 1} attempts: {last}{hint}")
 
 
 def _error_text(exc: urllib.error.HTTPError) -> str:

@@ -6,7 +6,8 @@ Run one::
     python -m digenrl.rewards.server --reward jpeg_compressibility --port 0
 
 It binds to 127.0.0.1 unless ``--host`` says otherwise and writes its URL as the first line of stdout
-(useful with ``--port 0``). Bodies above ``--max-bytes`` are refused (413); malformed requests get 400
+(useful with ``--port 0``). It scores on ``POST /score`` and, for a ``reward.url`` given as a bare base
+URL (``http://host:port``), on ``POST /`` too; any other path gets 404 naming the URL to use. Bodies above ``--max-bytes`` are refused (413); malformed requests get 400
 with the reason; a reward that raises gets 500.
 """
 
@@ -30,7 +31,7 @@ log = logging.getLogger(__name__)
 
 
 class RewardServer:
-    """Serves ``reward`` on ``http://host:port/score`` from a background thread.
+    """Serves ``reward`` on ``http://host:port/score`` (and ``/``) from a background thread.
 
     Args:
         reward: the reward to serve.
@@ -94,8 +95,10 @@ class RewardServer:
 
         class Handler(BaseHTTPRequestHandler):
             def do_POST(self) -> None:  # noqa: N802 (http.server naming)
-                if self.path.rstrip("/") != "/score":
-                    return self._reply(404, {"error": f"unknown path {self.path!r}; POST /score"})
+                # The base URL scores too: configs and users write either form.
+                if self.path.rstrip("/") not in ("", "/score"):
+                    return self._reply(404, {"error": f"unknown path {self.path!r}; this server scores on POST "
+                                                      f"{server.url} (or the base URL)"})
                 length = int(self.headers.get("Content-Length") or 0)
                 if length > server.max_bytes:
                     return self._reply(413, {"error": f"body of {length} bytes exceeds max {server.max_bytes}"})
