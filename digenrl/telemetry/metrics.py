@@ -167,8 +167,10 @@ class MetricsLog:
                 from torch.utils.tensorboard import SummaryWriter
 
                 self._tb = SummaryWriter(str(out / "tb"))
-            except ImportError:
-                log.info("tensorboard is not installed; skipping TensorBoard logs")
+            except ImportError as exc:  # a dependency since issue 11; an environment may still lack it
+                log.warning("log.tensorboard = true but TensorBoard cannot be imported (%s): no event files "
+                            "under %s. Install it with `pip install tensorboard` (setup.sh does), or set "
+                            "log.tensorboard = false", exc, out / "tb")
 
     def write(self, metrics: dict[str, Any]) -> None:
         """Append one step's line (and its scalars)."""
