@@ -47,14 +47,24 @@ def run(
     out: Annotated[Path | None, typer.Option("--out", help="Output directory (default runs/<timestamp>).")] = None,
     resume: Annotated[Path | None, typer.Option("--resume", help="Continue from a run directory or checkpoint.")] = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Debug logging.")] = False,
+    launcher: Annotated[str | None, typer.Option(
+        "--launcher", help="Who starts the actor processes: local or ray (= --set cluster.launcher=...).")] = None,
+    ray_address: Annotated[str | None, typer.Option(
+        "--ray-address", help="The Ray cluster, HOST:PORT (default cluster.address: 'auto', this host's "
+        "cluster or a new local one).")] = None,
 ) -> None:
     """Train with Flow-GRPO as the config says.
 
     The config's [schedule] name picks the single-process colocated loop (colocated) or the
-    disaggregated actors (disaggregated, gap, tsp, tag, async1)."""
+    disaggregated actors (disaggregated, gap, tsp, tag, async1); --launcher ray places those
+    actors' processes with a Ray placement group."""
     logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    extra = [f"cluster.launcher={launcher}"] if launcher is not None else []
+    if ray_address is not None:
+        extra += ["cluster.launcher=ray", f"cluster.address='{ray_address}'"] if launcher is None else \
+                 [f"cluster.address='{ray_address}'"]
     with _runtime_logs(verbose):
-        _run(config, set_, out, resume)
+        _run(config, [*(set_ or []), *extra], out, resume)
 
 
 @contextlib.contextmanager
@@ -141,6 +151,8 @@ def validate(
 def register(app: typer.Typer) -> None:
     """Add `run` and `validate` to `app`."""
     epilog = examples("digenrl run configs/tiny-qwenimage.toml --out runs/color",
+                      "digenrl run configs/tiny-qwenimage.toml --launcher ray   # a Ray placement group",
+                      "digenrl run configs/qwenimage.toml --launcher ray --ray-address 10.0.0.1:6379",
                       "digenrl run configs/tiny-qwenimage.toml --set schedule.name=colocated --out runs/colocated",
                       "digenrl run configs/tiny-qwenimage.toml --resume runs/color")
     app.command("run", epilog=epilog)(run)

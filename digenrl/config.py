@@ -2,7 +2,7 @@
 
 A config file has one table per role, kept apart from placement::
 
-    [model] [rollout] [train] [reward] [data] [schedule] [placement] [transport] [log] [runtime]
+    [model] [rollout] [train] [reward] [data] [schedule] [placement] [transport] [cluster] [log] [runtime]
 
 :func:`load_config` reads it with ``tomllib``, applies ``--set table.key=value`` overrides, and
 builds :class:`Config`. Every problem (unknown table or key, wrong type, a value outside its allowed
@@ -38,6 +38,7 @@ __all__ = [
     "ScheduleConfig",
     "PlacementConfig",
     "TransportConfig",
+    "ClusterConfig",
     "LogConfig",
     "RuntimeConfig",
     "Config",
@@ -317,6 +318,10 @@ class PlacementConfig:
     join_timeout: float = 600.0  # seconds to wait for the workers to join
     gpu: str = "H100"  # the accelerator type each actor gets (the memory plan's headroom; `digenrl plan`)
     rollout_gpu: str = ""  # a heterogeneous fleet: the rollout actors' type ("" = gpu)
+    # What a Ray placement-group bundle of each role asks for beyond its CPUs/GPU (cluster.launcher = "ray"),
+    # e.g. { accelerator_type = "L40S" } or a custom resource { l40s_pool = 1 }.
+    rollout_resources: dict[str, str | float] = field(default_factory=dict)
+    trainer_resources: dict[str, str | float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         from digenrl.sim.devices import CATALOG
@@ -331,10 +336,33 @@ class PlacementConfig:
         _check("placement.actor_threads", self.actor_threads >= 1, ">= 1", self.actor_threads)
         _check("placement.workers", self.workers >= 0, ">= 0", self.workers)
         _check("placement.join_timeout", self.join_timeout > 0, "> 0 seconds", self.join_timeout)
+        check_resources("placement.rollout_resources", self.rollout_resources)
+        check_resources("placement.trainer_resources", self.trainer_resources)
         actors = self.rollout + self.trainer + self.reward
         if self.workers and self.workers < actors:
             raise ConfigError(f"placement.workers = {self.workers}: one actor per joined worker needs at least "
                               f"{actors} (rollout + trainer + reward)")
+
+
+def check_resources(key: str, table: dict[str, Any]) -> None:
+    """A role's Ray resource request: ``accelerator_type`` (a name such as ``"L40S"``), ``num_cpus`` /
+    ``num_gpus`` (numbers, replacing the bundle's defaults) or custom resources (positive numbers).
+
+    Raises:
+        ConfigError: naming the bad entry.
+    """
+    for name, value in table.items():
+        entry = f"{key}.{name}"
+        if name == "accelerator_type":
+            ok = isinstance(value, str) and bool(value) and value.replace("-", "").replace("_", "").isalnum()
+            _check(entry, ok, "an accelerator type name such as 'H100' or 'L40S' (Ray's accelerator_type)", value)
+            continue
+        _check(entry, not isinstance(value, str), "a number (a resource amount); only accelerator_type takes a name",
+               value)
+        _check(entry, bool(name) and name not in ("CPU", "GPU", "memory") and ":" not in name,
+               "num_cpus, num_gpus, accelerator_type or a custom resource name", name)
+        _check(entry, value >= 0 if name in ("num_cpus", "num_gpus") else value > 0,
+               ">= 0" if name in ("num_cpus", "num_gpus") else "> 0", value)
 
 
 @dataclass(frozen=True)
@@ -379,6 +407,32 @@ def _check_address(key: str, address: str, actors: str) -> None:
     # Peers send their replies to this address, so it must name one interface, never all of them.
     _check(key, host.strip("[]") not in ("0.0.0.0", "::", "*"),
            "one interface of this host (peers reply to it), not a wildcard", address)
+
+
+LAUNCHERS = ("local", "ray")
+STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    """``[cluster]``: who starts the actor processes.
+
+    ``launcher``: ``local`` (this host's processes, or ``digenrl worker --join`` ones with
+    ``placement.workers``) or ``ray`` (a Ray placement group, one bundle per actor:
+    :mod:`digenrl.recipes.ray_launcher`); ``address``: the Ray cluster (``auto``: the one this host
+    belongs to, else a new local one; ``local``: always a new local one; or ``HOST:PORT``);
+    ``strategy``: the placement group's strategy.
+    """
+
+    launcher: str = "local"
+    address: str = "auto"
+    strategy: str = "PACK"
+
+    def __post_init__(self) -> None:
+        _choice("cluster.launcher", self.launcher, LAUNCHERS)
+        _choice("cluster.strategy", self.strategy, STRATEGIES)
+        _check("cluster.address", bool(self.address) and " " not in self.address,
+               "'auto', 'local', HOST:PORT or ray://HOST:PORT", self.address)
 
 
 @dataclass(frozen=True)
@@ -429,6 +483,7 @@ class Config:
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     placement: PlacementConfig = field(default_factory=PlacementConfig)
     transport: TransportConfig = field(default_factory=TransportConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
     log: LogConfig = field(default_factory=LogConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
 
@@ -441,6 +496,7 @@ class Config:
         if place.workers and (transport.actors != "zmq" or not transport.address.startswith("tcp://")):
             raise ConfigError("placement.workers > 0 needs transport.actors = 'zmq' and transport.address = "
                               "'tcp://<this host>:<port>' for the workers to join")
+        self._check_launcher()
         shard = resolve_shard(self.train.shard, self.model.finetune, place.trainer)
         if name != "colocated" and place.trainer > 1:
             if transport.actors != "zmq":
@@ -453,6 +509,26 @@ class Config:
         if shard == "fsdp" and place.rollout == 0:
             raise ConfigError("placement.rollout = 0 needs trainers that generate (TAG), which train.shard = 'fsdp' "
                               "turns off; add a rollout actor or use train.shard = 'ddp'")
+
+    def _check_launcher(self) -> None:
+        place, ray = self.placement, self.cluster.launcher == "ray"
+        for key in ("rollout_resources", "trainer_resources"):
+            if getattr(place, key) and not ray:
+                raise ConfigError(f"placement.{key} asks Ray for resources; it needs cluster.launcher = 'ray' "
+                                  "(or digenrl run --launcher ray)")
+        if not ray:
+            return
+        if self.schedule.name == "colocated":
+            raise ConfigError("cluster.launcher = 'ray' places actor processes; schedule.name = 'colocated' runs one "
+                              "process (pick an actor schedule, e.g. async1)")
+        if self.transport.actors != "zmq":
+            raise ConfigError("cluster.launcher = 'ray' starts one process per actor: it needs transport.actors = 'zmq'")
+        if place.workers:
+            raise ConfigError(f"placement.workers = {place.workers}: the Ray launcher starts one worker per actor "
+                              "itself; set placement.workers = 0 (or use cluster.launcher = 'local')")
+        if self.transport.address and not self.transport.address.startswith("tcp://"):
+            raise ConfigError(f"transport.address = {self.transport.address!r}: Ray workers join over tcp; "
+                              "use tcp://<this host>:<port> or leave it empty (loopback, a one-host Ray)")
 
     @property
     def trainers_generate(self) -> bool:

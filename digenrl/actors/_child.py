@@ -2,7 +2,8 @@
 
 Launched by ``ChildProcess.launch`` (``ActorSystem.spawn(process=True)``). It names the process
 ``digenrl-<name>`` (so ``ps`` shows who is who), makes the kernel send it SIGTERM if the driver
-dies (Linux), configures logging to stderr, and runs ``run_worker``. It imports no torch of its
+dies (Linux; ``--parent-signal SIGKILL`` when its parent is a supervisor whose death means the
+process is lost, as a launcher's per-bundle host), configures logging to stderr, and runs ``run_worker``. It imports no torch of its
 own; an actor module that needs torch imports it.
 """
 
@@ -19,17 +20,17 @@ import sys
 _PR_SET_PDEATHSIG = 1
 
 
-def _die_with_parent(parent_pid: int) -> None:
-    """Ask Linux to SIGTERM us when the driver exits, even by SIGKILL (no orphaned actors)."""
+def _die_with_parent(parent_pid: int, sig: signal.Signals = signal.SIGTERM) -> None:
+    """Ask Linux to send ``sig`` to us when the parent exits, even by SIGKILL (no orphaned actors)."""
     if not sys.platform.startswith("linux"):
         return
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+        libc.prctl(_PR_SET_PDEATHSIG, sig, 0, 0, 0)
     except OSError:
         return
-    if os.getppid() != parent_pid:  # the driver died before prctl took effect
-        os.kill(os.getpid(), signal.SIGTERM)
+    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+        os.kill(os.getpid(), sig)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -42,6 +43,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--listen", default=None)
     p.add_argument("--parent-timeout", type=float, default=30.0)
     p.add_argument("--parent-pid", type=int, default=None)
+    p.add_argument("--parent-signal", default="SIGTERM", choices=("SIGTERM", "SIGKILL"),
+                   help="what the kernel sends this process when its parent dies")
     p.add_argument("--log-level", default="INFO")
     p.add_argument("--allow", default=None, help="module:Class, the one actor class this process hosts")
     p.add_argument("--keys", default=None, help="the cluster's CURVE keys directory")
@@ -55,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError:  # optional nicety; the process still works
         pass
     if args.parent_pid is not None:
-        _die_with_parent(args.parent_pid)
+        _die_with_parent(args.parent_pid, signal.Signals[args.parent_signal])
     logging.basicConfig(
         level=args.log_level,
         format=f"%(asctime)s digenrl-{args.name}[%(process)d] %(levelname)s %(name)s: %(message)s",

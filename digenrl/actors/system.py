@@ -323,6 +323,16 @@ class ActorSystem:
         except TimeoutError:
             raise TimeoutError(f"{len(self.workers)} of {n} workers joined within {timeout:g} s") from None
 
+    def worker_lost(self, worker: Worker, reason: str) -> None:
+        """An outside supervisor (a launcher such as Ray) saw ``worker``'s process or host end.
+
+        The same event as a crash the system notices itself (pending calls fail with ``ActorDied``,
+        the other workers are told), only sooner than heartbeats would on a lost host. Ignored once
+        the worker is gone or the system is shutting down (then its exit is expected).
+        """
+        if self._state == "running" and self._workers.get(worker.address) is worker:
+            self._worker_died(worker, reason)
+
     async def _on_join(self, info: dict[str, Any]) -> dict[str, Any]:
         node = self._running()
         agent = ActorRef(_agent.AGENT, info["address"], actor_class=_agent.NodeAgent, node=node)

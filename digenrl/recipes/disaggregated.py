@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import json
 import logging
 import socket
@@ -55,7 +56,7 @@ from digenrl.telemetry.trace import write_artifacts
 from digenrl.transport.curve import ClusterKeys, load_keys
 from digenrl.transport.hosts import check_bind_address
 
-__all__ = ["run_disaggregated", "arun_disaggregated", "tiny_cpu_cost", "Cluster", "start_cluster"]
+__all__ = ["run_disaggregated", "arun_disaggregated", "tiny_cpu_cost", "Cluster", "start_cluster", "actor_plan"]
 
 log = logging.getLogger(__name__)
 
@@ -132,8 +133,31 @@ async def _wait_for_workers(system: ActorSystem, n: int, timeout: float) -> list
                           f"placement.join_timeout") from None
 
 
-async def start_cluster(system: ActorSystem, cfg: Config, version: int = 0) -> Cluster:
+def actor_plan(cfg: Config) -> list[tuple[str, Role, type, tuple[Any, ...]]]:
+    """The run's actors in spawn order, ``(name, role, class, constructor args)``: trainers, rollout, reward."""
+    place, conf, staleness = cfg.placement, cfg.to_dict(), _staleness(cfg)
+    plan: list[tuple[str, Role, type, tuple[Any, ...]]] = []
+    plan += [(f"trainer-{i}", Role.TRAINER, TrainerActor,
+              (conf, place.actor_threads, staleness, cfg.transport.bucket_mb)) for i in range(place.trainer)]
+    plan += [(f"rollout-{i}", Role.ROLLOUT, RolloutActor, (conf, place.actor_threads)) for i in range(place.rollout)]
+    plan += [(f"reward-{i}", Role.REWARD, RewardActor, (conf, place.actor_threads)) for i in range(place.reward)]
+    return plan
+
+
+def _launcher(cfg: Config) -> contextlib.AbstractAsyncContextManager[Any]:
+    """``cluster.launcher = "ray"``: the Ray launcher (Ray is imported only then); else nothing to launch."""
+    if cfg.cluster.launcher != "ray":
+        return contextlib.nullcontext()
+    from digenrl.recipes.ray_launcher import RayLauncher
+
+    return RayLauncher(cfg, [(name, role, cls) for name, role, cls, _ in actor_plan(cfg)])
+
+
+async def start_cluster(system: ActorSystem, cfg: Config, version: int = 0, launcher: Any = None) -> Cluster:
     """Spawn and wire the actors of ``cfg.placement`` inside a started ``system``.
+
+    ``launcher`` (a :class:`~digenrl.recipes.ray_launcher.RayLauncher`) starts one worker per actor;
+    without it actors get a local process each, or the ``placement.workers`` that join.
 
     Raises:
         ConfigError: fewer than ``placement.workers`` workers joined within ``placement.join_timeout``.
@@ -143,14 +167,13 @@ async def start_cluster(system: ActorSystem, cfg: Config, version: int = 0) -> C
     place = cfg.placement
     process = cfg.transport.actors == "zmq"
     conf = cfg.to_dict()
-    staleness = _staleness(cfg)
-    plan: list[tuple[str, Role, type, tuple[Any, ...]]] = []
-    plan += [(f"trainer-{i}", Role.TRAINER, TrainerActor,
-              (conf, place.actor_threads, staleness, cfg.transport.bucket_mb)) for i in range(place.trainer)]
-    plan += [(f"rollout-{i}", Role.ROLLOUT, RolloutActor, (conf, place.actor_threads)) for i in range(place.rollout)]
-    plan += [(f"reward-{i}", Role.REWARD, RewardActor, (conf, place.actor_threads)) for i in range(place.reward)]
+    plan = actor_plan(cfg)
     spawns: list[Any]
-    if place.workers:
+    if launcher is not None:
+        # One worker per actor, each started by the launcher in its own placement bundle.
+        placed = await launcher.start_workers(system)
+        spawns = [system.spawn(cls, *args, name=name, on=placed[name]) for name, _, cls, args in plan]
+    elif place.workers:
         # One actor per joined worker (each worker is one GPU of some host, its launcher sets
         # CUDA_VISIBLE_DEVICES), in join order: trainers first, then rollout and reward actors.
         workers = await _wait_for_workers(system, place.workers, place.join_timeout)
@@ -253,9 +276,11 @@ async def arun_disaggregated(cfg: Config, out_dir: str | Path | None = None, res
     kind = "cuda_ipc" if transport.weights == "cuda_ipc" else transport.actors
     # A failed bind (port in use) names the config key that holds the address.
     bind_options = {} if kind == "inproc" else {"address_key": "transport.address"}
-    async with ActorSystem(transport=kind, address=transport.address or None, name="coordinator",
-                           keys=cluster_keys(cfg), transport_options=bind_options) as system:
-        cluster = await start_cluster(system, cfg, base)
+    # Ray workers join over tcp: on one host loopback is enough (several hosts need transport.address).
+    address = transport.address or ("tcp://127.0.0.1:0" if cfg.cluster.launcher == "ray" else None)
+    async with _launcher(cfg) as launcher, ActorSystem(transport=kind, address=address, name="coordinator",
+                                                       keys=cluster_keys(cfg), transport_options=bind_options) as system:
+        cluster = await start_cluster(system, cfg, base, launcher)
         trainers = cluster.names(Role.TRAINER)
         if ckpt is not None:
             await asyncio.gather(*(cluster.refs[n].load_state.call(str(ckpt), base) for n in trainers))

@@ -1,0 +1,150 @@
+"""`--launcher ray` on a real local Ray (`ray.init(num_cpus=2)`, no dashboard, usage stats off): the tiny
+run gives the local launcher's metrics, its processes and placement group live only as long as the run,
+and a killed Ray actor is the same event as a kill -9 of an actor process."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+import psutil
+import pytest
+
+ray = pytest.importorskip("ray", reason="the Ray launcher's tests need the [ray] extra: pip install -e '.[ray]' "
+                                        "(.ci/run installs it)")
+
+from digenrl.config import Config, load_config  # noqa: E402
+from digenrl.errors import ConfigError  # noqa: E402
+from digenrl.recipes.disaggregated import arun_disaggregated  # noqa: E402
+from digenrl.recipes.ray_launcher import host_actor_name  # noqa: E402
+
+CONFIG = Path(__file__).resolve().parents[2] / "configs" / "tiny-qwenimage.toml"
+ROWS = 8 * 8 * 1  # prompts x group x trained steps of one logical batch
+# The numbers a run computes (timings, bubbles and throughput aside).
+KEYS = ("step", "version", "reward_mean", "reward_std", "reward/color", "adv_abs_mean", "clipfrac", "approx_kl", "kl",
+        "zero_std_ratio", "grad_norm", "policy_loss", "ratio", "max_staleness", "rows_trained", "parity_ratio")
+ROLES = ("digenrl-rollout-0", "digenrl-trainer-0")
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    # A private instance of this test module (never RAY_ADDRESS's cluster); the node also advertises an
+    # L40S so that a heterogeneous request can be placed on it.
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="WARNING",
+             resources={"accelerator_type:L40S": 1})
+    yield ray
+    ray.shutdown()
+
+
+def _load(*overrides: str) -> Config:
+    # The shipped default (async1) with a quarter of its batch, as tests/e2e/test_disaggregated.py.
+    small = ["rollout.prompts_per_batch=8", "schedule.fragment_groups=4", "schedule.train_pack=32",
+             "log.image_every=0", "log.checkpoint_every=0"]
+    return load_config(CONFIG, [*small, *overrides])
+
+
+def _proc(title: str) -> psutil.Process | None:
+    # This test's processes only: Ray's raylet is our child, its workers and theirs below it.
+    for p in psutil.Process().children(recursive=True):
+        try:
+            if any(title in part for part in p.cmdline()):
+                return p
+        except psutil.NoSuchProcess:
+            continue
+    return None
+
+
+def _ours() -> list[dict]:
+    return [pg for pg in ray.util.placement_group_table().values() if pg["name"] == host_actor_name("")]
+
+
+def _lines(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+async def test_ray_run_gives_the_local_metrics_and_leaves_nothing_behind(tmp_path: Path, local_ray) -> None:
+    await arun_disaggregated(_load("train.iterations=3"), tmp_path / "local")
+    seen: dict[str, psutil.Process] = {}
+    parents: dict[str, psutil.Process] = {}
+    hosts: dict[str, str] = {}  # role title -> its parent's command line (the Ray actor of its bundle)
+    live_groups: list[list[dict]] = []
+    peers: set[str] = set()
+
+    def on_step(m: dict) -> None:
+        for title in ROLES:
+            p = _proc(title)
+            assert p is not None, f"{title} is not running during step {m['step']}"
+            seen.setdefault(title, p)
+            parents.setdefault(title, p.parent())
+            hosts.setdefault(title, " ".join(parents[title].cmdline()))
+        live_groups.append([pg for pg in _ours() if pg["state"] == "CREATED"])
+        for p in psutil.Process().children(recursive=True):
+            try:
+                peers.update(c.raddr.ip.removeprefix("::ffff:") for c in p.net_connections("inet") if c.raddr)
+            except (psutil.NoSuchProcess, psutil.AccessDenied):
+                continue
+
+    history = await arun_disaggregated(_load("train.iterations=3", "cluster.launcher=ray"), tmp_path / "ray",
+                                       on_step=on_step)
+    local, placed = _lines(tmp_path / "local"), _lines(tmp_path / "ray")
+    assert [m["step"] for m in history] == [0, 1, 2]
+    assert [{k: m[k] for k in KEYS} for m in placed] == [{k: m[k] for k in KEYS} for m in local]
+
+    # During the run: the role processes, each the child of the Ray actor of its bundle, in one placement group.
+    assert all("WorkerHost" in cmdline for cmdline in hosts.values()), hosts
+    assert all(len(groups) == 1 for groups in live_groups) and len(live_groups) == 3
+    assert [b for b in live_groups[0][0]["bundles"].values()] == [{"CPU": 1.0}, {"CPU": 1.0}]
+    # Nothing talked to another machine: every peer of the run's processes is an address of this host.
+    here = {a.address for addrs in psutil.net_if_addrs().values() for a in addrs}
+    assert peers and peers <= here | {"127.0.0.1", "::1"}, peers - here
+
+    # After it: no role process, no host actor, and the placement group removed.
+    gone, alive = psutil.wait_procs([*seen.values(), *parents.values()], timeout=30)
+    assert not alive, alive
+    assert _ours() and all(pg["state"] == "REMOVED" for pg in _ours())
+
+
+async def test_killed_ray_actor_of_rollout_0_is_a_lost_actor_and_every_step_completes(tmp_path: Path,
+                                                                                    local_ray) -> None:
+    # The rollout bundle asks for an L40S (this node advertises one): heterogeneous pools place for real.
+    cfg = _load("train.iterations=4", "cluster.launcher=ray", "placement.rollout_resources={accelerator_type='L40S'}")
+    killed: list[tuple[psutil.Process, int]] = []
+    bundles: list[dict] = []
+
+    def on_dispatch(device: str, token: dict) -> None:
+        # Kill the Ray actor the moment its worker is handed rollout work after step 0; wait until the
+        # worker is gone, so the token dies with it whatever the machine's speed.
+        if not killed and device == "rollout-0" and token["kind"] == "rollout" and token["batch"] >= 1:
+            worker = _proc("digenrl-rollout-0")
+            assert worker is not None
+            bundles.extend(pg["bundles"] for pg in _ours() if pg["state"] == "CREATED")
+            ray.kill(ray.get_actor(host_actor_name("rollout-0")))
+            worker.wait(timeout=30)
+            killed.append((worker, token["batch"]))
+
+    history = await arun_disaggregated(cfg, tmp_path, on_dispatch=on_dispatch)
+    assert killed, "the rollout actor was never handed rollout work after step 0"
+    assert bundles == [{0: {"CPU": 1.0}, 1: {"CPU": 1.0, "accelerator_type:L40S": 0.001}}]
+    assert [m["step"] for m in history] == [0, 1, 2, 3] == [m["step"] for m in _lines(tmp_path)]
+    assert all(m["rows_trained"] == ROWS and math.isfinite(m["reward_mean"]) for m in history)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["lost_devices"] == ["rollout-0"]
+    batch = killed[0][1]
+    trace = json.loads((tmp_path / "trace.json").read_text())
+    tids = {e["args"]["name"]: e["tid"] for e in trace["traceEvents"] if e["name"] == "thread_name"}
+    helped = [e for e in trace["traceEvents"] if e["ph"] == "X" and e["tid"] == tids["trainer-0"]
+              and e["cat"] == "rollout" and e["args"]["batch"] == batch]
+    assert helped, "the trainer must generate the dead actor's work (TAG)"
+    assert all(pg["state"] == "REMOVED" for pg in _ours())
+
+
+async def test_a_resource_the_cluster_lacks_is_named_before_anything_starts(tmp_path: Path, local_ray) -> None:
+    before = len(_ours())
+    cfg = _load("cluster.launcher=ray", "placement.trainer_resources={accelerator_type='H100'}")
+    with pytest.raises(ConfigError, match=r"placement.trainer_resources: the bundles need accelerator_type:H100 = "
+                                          r"0.001 in all, the Ray cluster has 0 \(cluster resources: .*CPU 2"):
+        await arun_disaggregated(cfg, tmp_path)
+    assert len(_ours()) == before and _proc("digenrl-trainer-0") is None
