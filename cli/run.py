@@ -123,6 +123,7 @@ def _run_colocated(cfg: Config, out_dir: Path, console: Console) -> list[dict[st
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from digenrl.recipes.colocated import train
+    from digenrl.rewards import RewardError
 
     columns = (TextColumn("[bold]iter"), MofNCompleteColumn(), BarColumn(), TimeElapsedColumn(), TextColumn("{task.fields[info]}"))
     with Progress(*columns, console=console) as progress:
@@ -134,7 +135,11 @@ def _run_colocated(cfg: Config, out_dir: Path, console: Console) -> list[dict[st
                     f"|g| {m['grad_norm']:.2e}  {m['seconds']:.2f}s")
             progress.update(task, advance=1, info=info)
 
-        return train(cfg, out_dir=out_dir, on_iteration=show)
+        try:
+            return train(cfg, out_dir=out_dir, on_iteration=show)
+        except RewardError as exc:  # a failing reward (on_error = "raise", or a spent failure budget)
+            console.print(f"[red]{type(exc).__name__}:[/red] {exc}")
+            raise typer.Exit(1) from exc
 
 
 def validate(

@@ -238,6 +238,10 @@ class RewardConfig:
     image_format: str = "png"
     on_error: str = "raise"
     penalty: float = -1.0
+    # on_error = "penalty" stops the run once more than this share of the samples of the last
+    # failure_window batches were penalised (rewards/failures.py): penalties are for the occasional failure.
+    max_failure_fraction: float = 0.5
+    failure_window: int = 4
 
     def __post_init__(self) -> None:
         from digenrl.rewards.registry import REWARD_NAMES
@@ -250,6 +254,12 @@ class RewardConfig:
         _choice("reward.image_format", self.image_format, ("png", "raw"))
         _choice("reward.on_error", self.on_error, ("raise", "penalty"))
         _check("reward.timeout", self.timeout > 0, "> 0", self.timeout)
+        f = self.max_failure_fraction
+        _check("reward.max_failure_fraction", isinstance(f, int | float) and not isinstance(f, bool) and 0 <= f <= 1,
+               "a fraction in [0, 1] (1 never stops the run)", f)
+        w = self.failure_window
+        _check("reward.failure_window", isinstance(w, int) and not isinstance(w, bool) and w >= 1,
+               "an integer >= 1 (batches)", w)
 
 
 @dataclass(frozen=True)

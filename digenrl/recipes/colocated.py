@@ -33,6 +33,7 @@ from digenrl.models.lora import reference, sampling, save_trainable
 from digenrl.policy import build_model
 from digenrl.rewards import build_reward
 from digenrl.rewards.base import GuardedReward
+from digenrl.rewards.failures import FailureBudget
 from digenrl.rl.advantages import group_advantages
 from digenrl.rl.loss import LossConfig, reduce_stats
 from digenrl.rl.noise import initial_keys, initial_latents, transition_noise
@@ -57,6 +58,7 @@ class ColocatedRun:
     params: list[torch.nn.Parameter]
     optimizer: torch.optim.Optimizer
     reward: GuardedReward
+    reward_budget: FailureBudget | None  # stops the run when penalties are no longer occasional
     prompts: list[str]
     sigmas: torch.Tensor
     loss_cfg: LossConfig
@@ -88,6 +90,7 @@ def setup(cfg: Config) -> ColocatedRun:
         params=params,
         optimizer=opt,
         reward=reward,
+        reward_budget=FailureBudget.for_config(r),
         prompts=prompts,
         sigmas=model.sigmas(cfg.rollout.num_steps),
         loss_cfg=LossConfig(clip_range=t.clip_range, kl_beta=t.kl_beta, kl_kind=t.kl),  # type: ignore[arg-type]
@@ -132,6 +135,8 @@ def iteration(run: ColocatedRun, it: int) -> tuple[dict[str, Any], torch.Tensor,
     failures = run.reward.failures
     rewards = run.reward.score(images, prompts)
     failed = len(prompts) if run.reward.failures > failures else 0  # a failed call penalises all its samples
+    if run.reward_budget is not None:  # before training on penalties
+        run.reward_budget.add(it, failed, len(prompts), run.reward.last_error)
     t3 = time.perf_counter()
     adv = group_advantages(rewards, groups, std=tr.adv_std, clip=tr.adv_clip)  # type: ignore[arg-type]
     a = adv.advantages
@@ -218,6 +223,8 @@ def train(
     Raises:
         ConfigError: invalid settings found while building components.
         RewardError: a reward failed and ``reward.on_error = "raise"``.
+        RewardFailing: under ``"penalty"``, more than ``reward.max_failure_fraction`` of the samples of
+            the last ``reward.failure_window`` iterations failed.
         FloatingPointError: a non-finite gradient norm.
     """
     if torch.get_num_threads() != cfg.placement.threads:

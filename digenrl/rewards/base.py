@@ -5,7 +5,8 @@ A reward is a small object with ``score(images, prompts) -> Tensor[B]``: ``image
 
 A reward that cannot score raises :class:`RewardError`. It never returns a silent zero: a zero is a
 valid score that would quietly bias the advantages. :class:`GuardedReward` turns failures into a
-configured penalty instead, and counts and logs every substitution so it shows up in the metrics.
+configured penalty instead, and counts and logs every substitution so it shows up in the metrics;
+:class:`~digenrl.rewards.failures.FailureBudget` stops a run whose penalties are no longer occasional.
 """
 
 from __future__ import annotations
@@ -118,6 +119,7 @@ class GuardedReward:
         self.inner, self.on_error, self.penalty = inner, on_error, penalty
         self.name = inner.name
         self.failures = 0
+        self.last_error = ""  # the latest failure's message (the run's failure budget quotes it)
 
     def score(self, images: torch.Tensor, prompts: Sequence[str]) -> torch.Tensor:
         """The inner score, or the penalty after a logged failure.
@@ -134,6 +136,7 @@ class GuardedReward:
             if self.on_error == "raise":
                 raise
             self.failures += 1
+            self.last_error = str(exc)
             log.warning("reward %s failed (%s); using penalty %g for %d samples (failures=%d)",
                         self.name, exc, self.penalty, images.shape[0], self.failures)
             return torch.full((images.shape[0],), float(self.penalty))

@@ -121,7 +121,8 @@ class RemoteReward:
             port = parts.port or (443 if parts.scheme == "https" else 80)
             hint = (f"; is the reward server running? `python -m digenrl.rewards.server --reward NAME --port {port}` "
                     f"serves {self._scoring_url()}; set reward.url to the URL it prints")
-        raise RewardError(f"{self._who}: failed after {self.retries + 1} attempts: {last}{hint}")
+        tries = f"{self.retries + 1} attempt{'s' if self.retries else ''}"
+        raise RewardError(f"{self._who}: failed after {tries}: {last}{hint}")
 
 
 def _error_text(exc: urllib.error.HTTPError) -> str:

@@ -8,6 +8,8 @@ State machine (one instance per run)::
              ├─ ActorDied   → DeviceDied → the schedule re-issues the lost work
              │                (a dead trainer stops the run: RunStopped, resume from the checkpoint)
              └─ other error → stop the run (cancel what runs, re-raise)
+    optim:   a batch whose samples were mostly scored with the reward penalty (FailureBudget) stops the
+             run before its optimizer step: RunStopped, the last checkpoint intact
     done:    schedule.done (every optimizer step ran) → return the metrics history
 
 Books per logical batch: its prompts (a pure function of seed and batch index, so the dataset
@@ -39,6 +41,7 @@ from digenrl.config import Config
 from digenrl.data.prompts import batch_prompts
 from digenrl.errors import ActorDied, ConfigError, DigenrlError, StalenessViolation
 from digenrl.policy import trained_steps
+from digenrl.rewards.failures import FailureBudget, RewardFailing
 from digenrl.rl.advantages import GroupAssembler
 from digenrl.rl.loss import reduce_stats
 from digenrl.schedule import make_schedule
@@ -52,7 +55,8 @@ log = logging.getLogger(__name__)
 
 
 class RunStopped(DigenrlError):
-    """The run cannot continue (a trainer died, or the schedule failed); the message says how to resume."""
+    """The run cannot continue (a trainer died, the schedule failed, or the reward keeps failing); the
+    message says how to resume."""
 
 
 def _in_sample_order(values: dict[int, float]) -> list[float]:
@@ -80,6 +84,7 @@ class _Book:
     staleness: int = 0
     components: dict[str, dict[int, float]] = field(default_factory=dict)  # reward name -> sample id -> score
     failed: int = 0  # samples scored with the failure penalty
+    last_error: str = ""  # the reward's latest failure message
     group_std: dict[int, float] = field(default_factory=dict)  # prompt id -> its group's reward std
     phase: dict[str, float] = field(default_factory=dict)  # PHASE_KEYS -> seconds of this batch's tokens
 
@@ -133,6 +138,7 @@ class Coordinator:
         self.checkpoint = checkpoint
         self.checkpoint_every = checkpoint_every
         self.on_step = on_step
+        self.reward_budget = FailureBudget.for_config(cfg.reward)  # stops a run whose reward keeps failing
         self.on_images = on_images
         self.on_dispatch = on_dispatch
         if cfg.train.control == "shuffled":
@@ -306,6 +312,12 @@ class Coordinator:
         covered = sum(e - s for spans in book.ledger.values() for s, e in spans)
         if covered != expected:
             raise StalenessViolation(f"batch {batch}: {covered} rows trained before its optimizer step, expected {expected}")
+        if self.reward_budget is not None:  # before the step: a batch of penalties must not make a version
+            try:
+                self.reward_budget.add(batch, book.failed, self.workload.samples_per_batch, book.last_error)
+            except RewardFailing as exc:
+                raise RunStopped(f"{exc}. The last checkpoint is intact: once the reward answers, resume with "
+                                 "--resume <run dir>") from exc
         due = self.checkpoint is not None and self.checkpoint_every and (
             (batch + 1) % self.checkpoint_every == 0 or batch + 1 == self.cfg.train.iterations)
         # A stale run's checkpoint also holds the weights before this step: the next batch uses them
@@ -364,6 +376,7 @@ class Coordinator:
             book.phase["t_reward"] -= result["decode_s"]
             book.phase["t_decode"] = book.phase.get("t_decode", 0.0) + result["decode_s"]
             book.failed += result["failed"]
+            book.last_error = result.get("error") or book.last_error
             completed = []
             for frag, rewards, comps in zip(token.fragments, result["rewards"], result["components"], strict=True):
                 book.stored_at[frag.index] = result["store"]

@@ -93,6 +93,7 @@ class Scored:
         components: each weighted reward's own ``[n]`` scores.
         failed: samples scored with the failure penalty.
         decode_s: seconds spent decoding (the rest of the scoring is the reward itself).
+        error: the reward's failure message when ``failed`` (the run's failure budget quotes it).
     """
 
     rewards: torch.Tensor
@@ -100,6 +101,7 @@ class Scored:
     components: dict[str, torch.Tensor]
     failed: int
     decode_s: float
+    error: str = ""
 
 
 class FragmentEngine:
@@ -208,7 +210,8 @@ class FragmentEngine:
         if images.ndim == 5:
             images = images[:, :, 0]
         frag.rewards = rewards
-        return Scored(rewards, (images.clamp(0, 1) * 255).round().to(torch.uint8), components, failed, decode_s)
+        return Scored(rewards, (images.clamp(0, 1) * 255).round().to(torch.uint8), components, failed, decode_s,
+                      self.reward.last_error if failed else "")
 
 
 def probe_velocity(engine: FragmentEngine, seed: int) -> torch.Tensor:

@@ -159,7 +159,7 @@ class GenerationMixin:
     async def _run_reward(self, token: dict[str, Any], prompts: list[str], store: str,
                           images: bool) -> dict[str, Any]:
         t0 = time.time()
-        out: dict[str, Any] = {"rewards": [], "components": [], "failed": 0, "decode_s": 0.0, "images": []}
+        out: dict[str, Any] = {"rewards": [], "components": [], "failed": 0, "decode_s": 0.0, "images": [], "error": ""}
         for geo, src in parse_sources(token):
             frag = await self._obtain(geo, src or self.name, token["version"], prompts, 0, compute_fresh=False)
             if frag.step != self.engine.cfg.rollout.num_steps:
@@ -169,6 +169,7 @@ class GenerationMixin:
             out["rewards"].append(scored.rewards)
             out["components"].append(scored.components)
             out["failed"] += scored.failed
+            out["error"] = scored.error or out["error"]
             out["decode_s"] += scored.decode_s
             if images:
                 out["images"].append(scored.images)
