@@ -7,6 +7,10 @@ from __future__ import annotations
 import json
 import math
 import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import psutil
@@ -17,6 +21,8 @@ ray = pytest.importorskip("ray", reason="the Ray launcher's tests need the [ray]
 
 from digenrl.config import Config, load_config  # noqa: E402
 from digenrl.errors import ConfigError  # noqa: E402
+from digenrl.roles.coordinator import RunStopped  # noqa: E402
+from digenrl.recipes.checkpoint import find_checkpoint, load_state  # noqa: E402
 from digenrl.recipes.disaggregated import arun_disaggregated  # noqa: E402
 from digenrl.recipes.ray_launcher import host_actor_name  # noqa: E402
 
@@ -148,3 +154,60 @@ async def test_a_resource_the_cluster_lacks_is_named_before_anything_starts(tmp_
                                           r"0.001 in all, the Ray cluster has 0 \(cluster resources: .*CPU 2"):
         await arun_disaggregated(cfg, tmp_path)
     assert len(_ours()) == before and _proc("digenrl-trainer-0") is None
+
+
+async def test_killed_ray_actor_of_the_trainer_stops_the_run_with_its_checkpoint(tmp_path: Path, local_ray) -> None:
+    cfg = _load("train.iterations=3", "cluster.launcher=ray", "schedule.name=tag", "log.checkpoint_every=1")
+    victims: list[psutil.Process] = []
+
+    def on_dispatch(device: str, token: dict) -> None:
+        # On-policy: batch 2 trains only after version 2 exists and was checkpointed.
+        if not victims and device == "trainer-0" and token["kind"] == "train" and token["batch"] == 2:
+            victims.extend(p for p in (_proc(t) for t in ROLES) if p is not None)
+            ray.kill(ray.get_actor(host_actor_name("trainer-0")))
+
+    with pytest.raises(RunStopped, match=r"trainer trainer-0 died.*resume with --resume"):
+        await arun_disaggregated(cfg, tmp_path, on_dispatch=on_dispatch)
+    ckpt = find_checkpoint(tmp_path)
+    assert ckpt.name == "step-000002" and load_state(ckpt)["version"] == 2
+    # The failed run tears down like a finished one: no role process, the placement group removed.
+    assert len(victims) == 2
+    _, alive = psutil.wait_procs(victims, timeout=30)
+    assert not alive and all(pg["state"] == "REMOVED" for pg in _ours())
+
+
+def test_ctrl_c_of_the_driver_removes_every_process_of_the_run(tmp_path: Path) -> None:
+    # The driver starts a Ray of its own (--ray-address local), so all of Ray is below it too.
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
+    env.pop("RAY_ADDRESS", None)
+    out = tmp_path / "run"
+    # Ctrl-C as at a terminal: SIGINT raises KeyboardInterrupt in the driver even if this test's own parent
+    # started it with SIGINT ignored (a background job), which the child would otherwise inherit.
+    main = ("import signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+            "from digenrl_cli.main import app; sys.argv[0] = 'digenrl'; app()")
+    args = [sys.executable, "-c", main, "run", str(CONFIG), "--launcher", "ray", "--ray-address", "local",
+            "--out", str(out), "--set", "train.iterations=1000", "--set", "rollout.prompts_per_batch=8",
+            "--set", "schedule.fragment_groups=4", "--set", "schedule.train_pack=32", "--set", "log.image_every=0",
+            "--set", "log.checkpoint_every=0"]
+    driver = subprocess.Popen(args, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True)
+    try:
+        tree = psutil.Process(driver.pid)
+        # Event: the first optimizer step is logged (the role processes are up and working).
+        while not ((out / "metrics.jsonl").is_file() and (out / "metrics.jsonl").read_text().strip()):
+            assert driver.poll() is None, driver.stdout.read() if driver.stdout else ""
+            time.sleep(0.2)
+        procs = tree.children(recursive=True)
+        titles = {" ".join(p.cmdline()) for p in procs if p.is_running()}
+        assert all(any(role in t for t in titles) for role in ROLES), titles
+        assert any("raylet" in t for t in titles), titles
+        driver.send_signal(signal.SIGINT)
+        output, _ = driver.communicate(timeout=120)
+        assert driver.returncode != 0 and len(_lines(out)) < 1000  # interrupted, not finished
+        _, alive = psutil.wait_procs(procs, timeout=30)
+        assert not alive, [(p.pid, p.cmdline()) for p in alive]
+        assert "removed placement group" in output, output[-2000:]
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+            driver.wait()
