@@ -4,7 +4,7 @@
     python bench/transport.py --json out.json       # also write {"rows": [...]}
     python bench/transport.py --transports zmq-ipc,zmq-tcp --sizes-mib 16,64
 
-For each transport (inproc, zmq-ipc, zmq-tcp, torchdist-gloo): the round trip of a header-only
+For each transport (inproc, zmq-ipc, zmq-tcp, comm-gloo = the gloo communicator of the weight lane): the round trip of a header-only
 message and of a 16 KiB latent ([4,16,8,8] fp32), then bandwidth at 1, 16 and 64 MiB. Bandwidth is
 one message of that size to a sink that acknowledges it (time = send + delivery + ack), and beside
 each row an in-process memcpy (``dst.copy_(src)`` into a warm buffer) of the same bytes measured in
@@ -73,25 +73,25 @@ async def zmq_child(address: str, shm: bool) -> None:
         await t.aclose()
 
 
-def gloo_child(port: str) -> None:
-    import torch.distributed as dist
+def gloo_child(address: str, uid: str) -> None:
+    from digenrl.transport.communicator import GroupSpec, join_group
 
-    from digenrl.transport.torchdist import broadcast_state_dict, recv_tensors, send_tensors
-
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=1, world_size=2)
+    comm = join_group(GroupSpec("gloo", 0, 2, bytes.fromhex(uid), address, 60.0), 1)
     cmd = torch.zeros(3, dtype=torch.int64)
     while True:
-        dist.broadcast(cmd, 0)
-        op, _size, iters = (int(x) for x in cmd)
+        comm.broadcast([cmd], 0)
+        op, size, iters = (int(x) for x in cmd)
         if op == 0:
             break
+        buf = torch.empty(size, dtype=torch.uint8)
         for _ in range(iters):
             if op == 1:  # ping-pong
-                send_tensors(recv_tensors(0), 0)
+                comm.recv([buf], 0)
+                comm.send([buf], 0)
             else:  # broadcast sink + ack
-                broadcast_state_dict(None, 0)
-                dist.send(torch.zeros(1), 0)
-    dist.destroy_process_group()
+                comm.broadcast([buf], 0)
+                comm.send([cmd], 0)
+    comm.close()
 
 
 # ------------------------------------------------------------------------------------------ parent
@@ -238,19 +238,17 @@ async def bench_zmq(name: str, address: str, sizes: list[int], iters: int, shm: 
 
 
 def bench_gloo(sizes: list[int], iters: int) -> list[dict[str, Any]]:
-    import torch.distributed as dist
+    """The gloo communicator (the CPU weight lane): send/recv round trips and a one-bucket broadcast + ack."""
+    from digenrl.transport.communicator import GroupHost, join_group
 
-    from digenrl.transport.torchdist import broadcast_state_dict, recv_tensors, send_tensors
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = str(s.getsockname()[1])
-    child = subprocess.Popen([sys.executable, __file__, "--child", "gloo", port])
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=2)
+    host = GroupHost("gloo", timeout_s=60.0)
+    spec = host.new_group(2)
+    child = subprocess.Popen([sys.executable, __file__, "--child", "gloo", spec.address, spec.uid.hex()])
+    comm = join_group(spec, 0)
     rows = []
 
     def run(op: int, size: int, n: int, body: Any) -> float:
-        dist.broadcast(torch.tensor([op, size, n], dtype=torch.int64), 0)
+        comm.broadcast([torch.tensor([op, size, n], dtype=torch.int64)], 0)
         times = []
         for _ in range(n):
             t0 = time.perf_counter()
@@ -259,20 +257,22 @@ def bench_gloo(sizes: list[int], iters: int) -> list[dict[str, Any]]:
         return statistics.median(times[len(times) // 5:])
 
     try:
-        latent = torch.randn(LATENT)
-        for label, payload in (("rtt-header", {"h": torch.zeros(1)}), ("rtt-latent", {"x": latent})):
-            sec = run(1, 0, iters, lambda p=payload: (send_tensors(p, 1), recv_tensors(1)))
-            nbytes = 0 if label == "rtt-header" else latent.numel() * 4
-            rows.append(row("torchdist-gloo", label, nbytes, sec, memcpy_gbps(nbytes, 50) if nbytes else None))
+        ack = torch.zeros(3, dtype=torch.int64)
+        for label, nbytes in (("rtt-header", 8), ("rtt-latent", int(torch.Size(LATENT).numel()) * 4)):
+            buf = torch.zeros(nbytes, dtype=torch.uint8)
+            sec = run(1, nbytes, iters, lambda b=buf: (comm.send([b], 1), comm.recv([b], 1)))
+            size = 0 if label == "rtt-header" else nbytes
+            rows.append(row("comm-gloo", label, size, sec, memcpy_gbps(size, 50) if size else None))
         for size in sizes:
-            blob = {"x": torch.randint(0, 255, (size,), dtype=torch.uint8)}
+            blob = torch.randint(0, 255, (size,), dtype=torch.uint8)
             n = max(5, min(30, (256 << 20) // size))
-            sec = run(2, size, n, lambda b=blob: (broadcast_state_dict(b, 0), dist.recv(torch.zeros(1), 1)))
-            rows.append(row("torchdist-gloo", "bandwidth", size, sec, memcpy_gbps(size, n)))
-        dist.broadcast(torch.zeros(3, dtype=torch.int64), 0)
+            sec = run(2, size, n, lambda b=blob: (comm.broadcast([b], 0), comm.recv([ack], 1)))
+            rows.append(row("comm-gloo", "bandwidth", size, sec, memcpy_gbps(size, n)))
+        comm.broadcast([torch.zeros(3, dtype=torch.int64)], 0)
     finally:
-        dist.destroy_process_group()
         child.wait(30)
+        comm.close()
+        host.close()
     return rows
 
 
@@ -311,7 +311,7 @@ def print_table(rows: list[dict[str, Any]]) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--transports", default="raw-zmq,inproc,inproc-handoff,zmq-ipc,zmq-tcp,torchdist-gloo",
+    p.add_argument("--transports", default="raw-zmq,inproc,inproc-handoff,zmq-ipc,zmq-tcp,comm-gloo",
                    help="raw-zmq is a bare-pyzmq RTT reference for the machine's current state")
     p.add_argument("--loops", default="uvloop,asyncio",
                    help="event loops for the zmq rows (each side of the pair runs the same kind)")
@@ -326,7 +326,7 @@ def main() -> None:
         if args.child[0] == "zmq":
             run_loop(zmq_child(args.child[1], args.child[2] == "1"), args.child[3])
         else:
-            gloo_child(args.child[1])
+            gloo_child(args.child[1], args.child[2])
         return
     sizes = [int(float(s) * (1 << 20)) for s in args.sizes_mib.split(",")]
     tmp = tempfile.gettempdir()
@@ -347,7 +347,7 @@ def main() -> None:
                 # bandwidth does not depend on the loop: measure it once, on the first one
                 rows += run_loop(bench_zmq(f"{name}/{loop}", address, sizes if loop == args.loops.split(",")[0] else [],
                                            args.iters, not args.no_shm, loop), loop)
-        elif name == "torchdist-gloo":
+        elif name == "comm-gloo":
             rows += bench_gloo(sizes, args.iters)
         else:
             raise SystemExit(f"unknown transport {name!r}")

@@ -375,12 +375,17 @@ def check_resources(key: str, table: dict[str, Any]) -> None:
                ">= 0" if name in ("num_cpus", "num_gpus") else "> 0", value)
 
 
+WEIGHT_LANES = ("zmq", "gloo", "nccl", "cuda_ipc")
+
+
 @dataclass(frozen=True)
 class TransportConfig:
     """``[transport]``: how actors talk and how weights move.
 
     ``actors``: ``zmq`` (one process per actor) or ``inproc`` (all in this process); ``weights``:
-    ``zmq``, ``torchdist`` (gloo on CPU, NCCL on GPU) or ``cuda_ipc``; ``address``: the driver's bind
+    ``zmq`` (the buckets as actor messages), ``gloo`` / ``nccl`` (a broadcast over a communicator
+    group of the lead trainer and the live rollout actors, re-formed when they change; ``nccl`` needs
+    CUDA and cupy) or ``cuda_ipc`` (actor messages carry device handles); ``address``: the driver's bind
     address (empty: a private ipc path; ``tcp://<this host>:<port>`` for joining workers); ``keys``:
     the CURVE keys directory (``digenrl keys create PATH``), required for an address off loopback and
     then used by every process of the run.
@@ -394,7 +399,10 @@ class TransportConfig:
 
     def __post_init__(self) -> None:
         _choice("transport.actors", self.actors, ("zmq", "inproc"))
-        _choice("transport.weights", self.weights, ("zmq", "torchdist", "cuda_ipc"))
+        if self.weights == "torchdist":
+            raise ConfigError("transport.weights: 'torchdist' was replaced by 'gloo' (the same bucketed broadcast, over "
+                              "a communicator group that rollout actors can join and leave; 'nccl' on CUDA)")
+        _choice("transport.weights", self.weights, WEIGHT_LANES)
         if self.actors == "inproc" and self.weights != "zmq":
             raise ConfigError(f"transport.weights: must be 'zmq' (actor messages) when transport.actors = 'inproc', "
                               f"got {self.weights!r}")
@@ -507,15 +515,14 @@ class Config:
             raise ConfigError("placement.workers > 0 needs transport.actors = 'zmq' and transport.address = "
                               "'tcp://<this host>:<port>' for the workers to join")
         self._check_launcher()
+        if transport.weights == "nccl" and not self.model.device.startswith("cuda"):
+            raise ConfigError(f"transport.weights = 'nccl' moves CUDA buffers, but model.device = {self.model.device!r}; "
+                              "use 'gloo' (the same lane on the CPU) or 'zmq'")
         shard = resolve_shard(self.train.shard, self.model.finetune, place.trainer)
         if name != "colocated" and place.trainer > 1:
             if transport.actors != "zmq":
                 raise ConfigError(f"placement.trainer = {place.trainer} needs transport.actors = 'zmq': the trainers "
                                   "form a torch.distributed group, one process each")
-            if transport.weights == "torchdist":
-                raise ConfigError("transport.weights: 'torchdist' puts the lead trainer in a second process group "
-                                  f"beside its trainer group (placement.trainer = {place.trainer}); use 'zmq' or "
-                                  "'cuda_ipc'")
         if shard == "fsdp" and place.rollout == 0:
             raise ConfigError("placement.rollout = 0 needs trainers that generate (TAG), which train.shard = 'fsdp' "
                               "turns off; add a rollout actor or use train.shard = 'ddp'")

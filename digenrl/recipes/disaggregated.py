@@ -27,7 +27,6 @@ import collections
 import contextlib
 import json
 import logging
-import socket
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -53,6 +52,7 @@ from digenrl.telemetry.metrics import MetricsLog
 from digenrl.telemetry.spans import Timeline
 from digenrl.telemetry.stats import run_stats
 from digenrl.telemetry.trace import write_artifacts
+from digenrl.transport.communicator import COMM_KINDS
 from digenrl.transport.curve import ClusterKeys, load_keys
 from digenrl.transport.hosts import check_bind_address
 
@@ -93,12 +93,6 @@ def _on_gpu(conf: dict[str, Any], k: int) -> dict[str, Any]:
     if device != "cuda" or not torch.cuda.is_available():
         return conf
     return {**conf, "model": {**conf["model"], "device": f"cuda:{k % torch.cuda.device_count()}"}}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def cluster_keys(cfg: Config) -> ClusterKeys | None:
@@ -192,18 +186,11 @@ async def start_cluster(system: ActorSystem, cfg: Config, version: int = 0, laun
         # The lead opens the rendezvous on its own host (a free port there); everyone joins it in connect.
         address = await refs[trainers[0]].open_group.call(len(trainers))
         group = {n: {"rank": i, "world_size": len(trainers), "address": address} for i, n in enumerate(trainers)}
-    dist: dict[str, dict[str, Any]] = {}
-    if cfg.transport.weights == "torchdist":
-        url = f"tcp://127.0.0.1:{_free_port()}"
-        members = [cluster.names(Role.TRAINER)[0], *cluster.names(Role.ROLLOUT)]
-        dist = {n: {"rank": i, "world_size": len(members), "init_method": url} for i, n in enumerate(members)}
     calls = []
     for name, role, _, _ in plan:
         ref = refs[name]
         if role is Role.TRAINER:
-            calls.append(ref.connect.call(refs, version, dist.get(name), group.get(name)))
-        elif role is Role.ROLLOUT:
-            calls.append(ref.connect.call(refs, dist.get(name)))
+            calls.append(ref.connect.call(refs, version, group.get(name)))
         else:
             calls.append(ref.connect.call(refs))
     await asyncio.gather(*calls)
@@ -298,7 +285,7 @@ async def arun_disaggregated(cfg: Config, out_dir: str | Path | None = None, res
             cfg, sched.name, cluster.devices, cluster.refs,
             load_prompts(cfg.data.prompt_set, cfg.data.prompts, cfg.data.prompt_file),
             options=options, cost=cost or tiny_cpu_cost(), base=base, history=history,
-            is_dead=cluster.is_dead, weights_lane="torchdist" if transport.weights == "torchdist" else "zmq",
+            is_dead=cluster.is_dead, weights_lane=transport.weights if transport.weights in COMM_KINDS else "zmq",
             bucket_mb=transport.bucket_mb, checkpoint=checkpoint if write_files else None,
             checkpoint_every=logc.checkpoint_every, on_step=step_done,
             on_images=images if write_files else None, on_dispatch=on_dispatch, t0=t0, shard=cfg.shard)

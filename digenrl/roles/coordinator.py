@@ -103,8 +103,8 @@ class Coordinator:
         base: optimizer steps already done (resume): local batch ``b`` is global batch ``base + b``.
         history: metrics of the steps already done (resume).
         is_dead: tells whether a device's process is known dead (the actor system's supervision).
-        weights_lane: ``"zmq"`` or ``"torchdist"``.
-        bucket_mb: weight bucket size for the torchdist lane.
+        weights_lane: ``"zmq"``, ``"gloo"`` or ``"nccl"`` (see :mod:`digenrl.roles.weights`).
+        bucket_mb: weight bucket size.
         checkpoint: ``async (step, state) -> None`` writing a checkpoint (``None``: no checkpoints).
         checkpoint_every: optimizer steps between checkpoints.
         on_step: called with each optimizer step's metrics.
@@ -292,17 +292,15 @@ class Coordinator:
     async def _publish(self, version: int) -> dict[str, Any]:
         lead = self.trainers[0]
         t0 = time.time()
-        if self.weights_lane == "torchdist":
-            calls = [self.refs[lead].publish_dist.call(version)]
-            calls += [self.refs[r].receive_weights_dist.call(version, self.bucket_mb) for r in self.rollouts]
-            out = (await asyncio.gather(*calls))[0]
-        else:
-            calls = [self.refs[lead].publish.call(version, self.rollouts)]
-            calls += [self.refs[n].publish.call(version, []) for n in self.followers if n in self.alive]
-            out = (await asyncio.gather(*calls))[0]
-            for name in out.get("failed", []):
-                # Supervision may not have reported it yet; the receiver's ActorDied is proof enough.
-                self._died(name, "died while receiving weights")
+        # gloo / nccl: the lead broadcasts over its communicator group with the live rollout actors
+        # (re-formed by the lead when they changed); zmq: it sends each one the buckets.
+        publish = self.refs[lead].publish_comm if self.weights_lane in ("gloo", "nccl") else self.refs[lead].publish
+        calls = [publish.call(version, self.rollouts)]
+        calls += [self.refs[n].publish.call(version, []) for n in self.followers if n in self.alive]  # FSDP gathers
+        out = (await asyncio.gather(*calls))[0]
+        for name in out.get("failed", []):
+            # Supervision may not have reported it yet; the receiver's ActorDied is proof enough.
+            self._died(name, "died while receiving weights")
         out.setdefault("t0", t0)
         return out
 
@@ -344,13 +342,9 @@ class Coordinator:
             return
         exc = task.exception()
         if isinstance(exc, ActorDied):
-            # The actor named in the error died (for PUBLISH over torchdist it may be a receiver,
-            # whose death also breaks the collective group: then the run stops at the trainer).
+            # The actor named in the error died.
             dead = exc.actor if exc.actor in self.role else token.device
             self._died(dead, exc.reason)
-            if dead != token.device and token.kind is TokenKind.PUBLISH and self.weights_lane == "torchdist":
-                raise RunStopped(f"rollout actor {dead} died inside a torch.distributed weight broadcast; "
-                                 "the group is broken. Resume with --resume <run dir>")
             return
         if exc is not None:
             await asyncio.sleep(0.3)  # let supervision mark a dead peer first: the error may be its echo

@@ -30,7 +30,7 @@ from digenrl.errors import ActorDied, RemoteError, StalenessViolation
 from digenrl.models import GeneratorModel
 from digenrl.policy import build_model, prepare_for_generation
 from digenrl.roles.fragments import FragmentData, FragmentEngine, probe_velocity
-from digenrl.roles.weights import WeightStore, unpack_buckets
+from digenrl.roles.weights import CommReceiver, WeightStore, unpack_buckets
 
 __all__ = ["GenerationMixin", "RolloutActor", "limit_threads"]
 
@@ -193,7 +193,7 @@ class RolloutActor(GenerationMixin, Actor):
     async def setup(self) -> None:
         model = await self._setup_frozen_engine()
         self.weights = WeightStore(model, version=-1)
-        self._lane: Any = None
+        self._lane = CommReceiver(self.weights)  # the gloo / nccl weight lane (idle on the zmq lane)
 
     async def __cleanup__(self, exc: BaseException | None) -> None:
         if getattr(self, "_lane", None) is not None:
@@ -205,13 +205,9 @@ class RolloutActor(GenerationMixin, Actor):
         self.weights.ensure(version)
 
     @endpoint
-    async def connect(self, peers: dict[str, Any], dist: dict[str, Any] | None = None) -> str:
-        """Learn the other actors' refs (and join the torch.distributed weight lane when configured)."""
+    async def connect(self, peers: dict[str, Any]) -> str:
+        """Learn the other actors' refs."""
         self.peers = dict(peers)
-        if dist is not None:
-            from digenrl.roles.weights import DistLane
-
-            self._lane = await self._compute(lambda: DistLane(dist["rank"], dist["world_size"], dist["init_method"]))
         return self.name
 
     @endpoint(control=True)
@@ -220,12 +216,16 @@ class RolloutActor(GenerationMixin, Actor):
         self.weights.stage(version, unpack_buckets(layout, buckets))
         return version
 
-    @endpoint
-    async def receive_weights_dist(self, version: int, bucket_mb: float) -> int:
-        """Enter the torch.distributed broadcast of ``version`` (the trainer is its source)."""
-        sd = await self._compute(self._lane.broadcast, None, bucket_mb)
-        self.weights.stage(version, sd)
-        return version
+    @endpoint(control=True)
+    async def join_weights_group(self, spec: dict[str, Any], rank: int) -> int:
+        """Join a generation of the lead trainer's weight group (``gloo`` / ``nccl`` lane); returns it."""
+        return await self._lane.join(spec, rank)
+
+    @endpoint(control=True)
+    async def receive_weights_comm(self, generation: int, seq: int, version: int, layout: list[Any],
+                                   sizes: list[Any]) -> int:
+        """Enter broadcast ``seq`` of the weight group and stage ``version`` from it; returns the version."""
+        return await self._lane.receive(generation, seq, version, layout, sizes)
 
     @endpoint(control=True)
     async def weights_info(self, version: int | None = None) -> dict[str, Any]:

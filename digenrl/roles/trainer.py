@@ -95,7 +95,7 @@ class TrainerActor(GenerationMixin, Actor):
         self.version = 0
         self._previous: dict[str, torch.Tensor] | None = None  # version - 1's weights, for a stale checkpoint
         self._behaviour: dict[str, torch.Tensor] | None = None  # version - 1's weights, for train.check_parity
-        self._lane: Any = None
+        self._publisher: Any = None  # the gloo / nccl weight lane, formed at the first publication
 
     def _new_optimizer(self) -> None:
         t = self.cfg.train
@@ -104,8 +104,8 @@ class TrainerActor(GenerationMixin, Actor):
                                            weight_decay=t.weight_decay, eps=t.eps)
 
     async def __cleanup__(self, exc: BaseException | None) -> None:
-        if getattr(self, "_lane", None) is not None:
-            self._lane.close()
+        if getattr(self, "_publisher", None) is not None:
+            self._publisher.close()
         if getattr(self, "group", None) is not None and exc is None:
             self.group.close()  # (after a peer died a collective may hang: the process just exits)
         if hasattr(self, "pool"):
@@ -132,9 +132,8 @@ class TrainerActor(GenerationMixin, Actor):
         return host if host and host not in ("0.0.0.0", "*") else "127.0.0.1"
 
     @endpoint
-    async def connect(self, peers: dict[str, Any], version: int = 0, dist: dict[str, Any] | None = None,
-                      group: dict[str, Any] | None = None) -> str:
-        """Learn the peers' refs and the starting version; join the trainer group and the torch.distributed lane.
+    async def connect(self, peers: dict[str, Any], version: int = 0, group: dict[str, Any] | None = None) -> str:
+        """Learn the peers' refs and the starting version; join the trainer group.
 
         ``group``: ``{"rank", "world_size", "address"}`` (all members call ``connect`` together: joining
         waits for every rank). Under ``fsdp`` the model is sharded and the optimizer rebuilt here.
@@ -143,10 +142,6 @@ class TrainerActor(GenerationMixin, Actor):
         self.version = version
         if group is not None:
             await self._compute(self._join, group)
-        if dist is not None:
-            from digenrl.roles.weights import DistLane
-
-            self._lane = await self._compute(lambda: DistLane(dist["rank"], dist["world_size"], dist["init_method"]))
         return self.name
 
     def _join(self, group: dict[str, Any]) -> None:
@@ -364,12 +359,26 @@ class TrainerActor(GenerationMixin, Actor):
                 "failed": failed}
 
     @endpoint
-    async def publish_dist(self, version: int) -> dict[str, Any]:
-        """Source side of the torch.distributed broadcast of ``version`` (receivers enter it too)."""
+    async def publish_comm(self, version: int, rollouts: list[str]) -> dict[str, Any]:
+        """Broadcast this trainer's weights, stamped ``version``, over the communicator lane (``gloo`` / ``nccl``).
+
+        The first call, and every call whose ``rollouts`` differ from the group's members (a death,
+        a newcomer), forms a new generation of the group first; a newcomer receives the newest
+        versions then. Returns the span, the bytes, the generation and ``failed`` (receivers found dead).
+
+        Raises:
+            StalenessViolation: this trainer does not hold ``version``.
+            TransportBroken: the broadcast failed without a receiver dying (a timeout).
+        """
         t0 = time.time()
-        sd = self._weights(version)
-        await self._compute(self._lane.broadcast, sd, self.bucket_mb)
-        return {"t0": t0, "t1": time.time(), "bytes": sum(t.numel() * t.element_size() for t in sd.values())}
+        sd = await self._compute(self._weights, version) if self.shard == "fsdp" else self._weights(version)
+        if self._publisher is None:
+            from digenrl.roles.weights import CommPublisher
+
+            lane = self.cfg.transport.weights
+            self._publisher = CommPublisher(lane, self._host(), self.bucket_mb, self.cfg.train.group_timeout)
+        out = await self._publisher.publish(version, sd, {r: self.peers[r] for r in rollouts})
+        return {**out, "t0": t0, "t1": time.time()}
 
     @endpoint(control=True)
     async def weights_info(self) -> dict[str, Any]:

@@ -36,7 +36,7 @@ from digenrl.models.lora import load_trainable_state_dict, trainable_state_dict
 from digenrl.transport.codec import DTYPES
 from digenrl.transport.communicator import GroupHost, GroupSpec, OrderedOps, join_group
 
-__all__ = ["pack_buckets", "unpack_buckets", "state_digest", "WeightStore", "CommPublisher", "CommReceiver", "DistLane"]
+__all__ = ["pack_buckets", "unpack_buckets", "state_digest", "WeightStore", "CommPublisher", "CommReceiver"]
 
 log = logging.getLogger(__name__)
 _NAMES = {v: k for k, v in DTYPES.items()}
@@ -167,42 +167,6 @@ class WeightStore:
             return state_digest(trainable_state_dict(self.model, copy_tensors=False))
         with self._lock:
             return state_digest(self._versions[version])
-
-
-class DistLane:
-    """torch.distributed lane: the lead trainer (rank 0) broadcasts, rollout actors (ranks 1..n) receive.
-
-    Every member constructs it in ``setup`` with the same ``init_method``; the collective is entered by
-    all members for each published version (the coordinator calls ``publish`` on the trainer and
-    ``receive`` on each rollout actor together).
-
-    Raises:
-        RuntimeError: torch.distributed could not form the group (timeout, port in use).
-    """
-
-    def __init__(self, rank: int, world_size: int, init_method: str, backend: str | None = None,
-                 timeout_s: float = 120.0) -> None:
-        import datetime
-
-        import torch.distributed as dist
-
-        backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
-        if not dist.is_initialized():
-            dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
-                                    timeout=datetime.timedelta(seconds=timeout_s))
-        self.rank, self.world_size, self.backend = rank, world_size, backend
-
-    def broadcast(self, sd: Mapping[str, torch.Tensor] | None, bucket_mb: float) -> dict[str, torch.Tensor]:
-        """Enter the bucketed broadcast (source: rank 0). Blocking; run it off the event loop."""
-        from digenrl.transport.torchdist import broadcast_state_dict
-
-        return broadcast_state_dict(sd, 0, bucket_mb=bucket_mb)
-
-    def close(self) -> None:
-        import torch.distributed as dist
-
-        if dist.is_initialized():
-            dist.destroy_process_group()
 
 
 class CommPublisher:

@@ -9,9 +9,10 @@ Use :func:`make_transport` to build one by kind::
 
 Kinds: ``inproc`` (same process), ``zmq`` (``ipc://`` / ``tcp://``, shared memory for large
 tensors between processes of one host), ``cuda_ipc`` (same-node GPU tensors by IPC handle, zmq
-underneath), ``torchdist`` (zmq endpoint plus a torch.distributed group for bucketed state-dict
-broadcast and p2p tensors; see :mod:`digenrl.transport.torchdist`). Implementation modules are imported lazily so that a process
-using only ``inproc`` does not import pyzmq.
+underneath). Device collectives (weights to many rollout actors) go through the communicator seam
+instead, :mod:`digenrl.transport.communicator` (gloo) and :mod:`digenrl.transport.nccl`: a group
+formed at runtime, not a point-to-point endpoint. Implementation modules are imported lazily so that
+a process using only ``inproc`` does not import pyzmq.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ __all__ = [
     "KINDS",
 ]
 
-KINDS = ("inproc", "zmq", "torchdist", "cuda_ipc")
+KINDS = ("inproc", "zmq", "cuda_ipc")
 
 
 def make_transport(kind: str, address: str | None = None, **options: Any) -> Transport:
@@ -45,8 +46,7 @@ def make_transport(kind: str, address: str | None = None, **options: Any) -> Tra
             ``tcp://host:port`` for the zmq-based kinds (port 0 picks a free port; ``.address``
             then reports the real one). None picks a fresh inproc name or a private ipc path.
         **options: passed to the implementation's constructor (e.g. ``copy`` for inproc;
-            ``hwm``, ``chunk_bytes``, ``shm``, ``heartbeat_s`` for zmq; ``strict`` for cuda_ipc;
-            ``rank``, ``world_size``, ``init_method``, ``backend`` for torchdist).
+            ``hwm``, ``chunk_bytes``, ``shm``, ``heartbeat_s`` for zmq; ``strict`` for cuda_ipc).
 
     Returns:
         An open endpoint; close it with ``await t.aclose()`` (or ``async with``).
@@ -62,12 +62,6 @@ def make_transport(kind: str, address: str | None = None, **options: Any) -> Tra
         from digenrl.transport.zmq import ZmqTransport
 
         return ZmqTransport(address, **options)
-    if kind == "torchdist":
-        # Bulk tensors go through torch.distributed collectives; messages and control headers
-        # ride on zmq. Needs rank=, world_size= (and usually init_method=) in options.
-        from digenrl.transport.torchdist import TorchDistTransport
-
-        return TorchDistTransport(address, **options)
     if kind == "cuda_ipc":
         from digenrl.transport.cuda_ipc import CudaIpcTransport
 

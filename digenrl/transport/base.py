@@ -5,7 +5,7 @@ small msgpack-able header plus a payload to another endpoint's address, and a ``
 messages in arrival order (FIFO per sender). The payload is any nesting of dict/list/tuple, str, int,
 float, bool, None, bytes and ``torch.Tensor`` (a state dict, a batch of latents, call arguments);
 the codec sends its tensors as raw frames, never pickled. Which implementation serves a link is a config choice
-(``inproc``, ``zmq``, ``torchdist``, ``cuda_ipc``); the actor runtime sees only this interface.
+(``inproc``, ``zmq``, ``cuda_ipc``); the actor runtime sees only this interface.
 
 Contract (checked by ``tests/transport/test_conformance.py`` for every implementation):
   * messages from one sender arrive in the order they were sent;

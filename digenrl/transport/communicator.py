@@ -198,6 +198,7 @@ class GlooCommunicator(Communicator):
             raise TransportBroken(f"gloo group generation {spec.generation}: rank {rank} could not join "
                                   f"{spec.address} within {spec.timeout_s:g} s: {exc}") from exc
         self._tags: dict[int, int] = {}
+        self._inflight = 0  # operations between issue and completion (see close)
 
     @property
     def device(self) -> torch.device:
@@ -229,19 +230,25 @@ class GlooCommunicator(Communicator):
         return self._tags[peer]
 
     def _wait(self, works: list[Any], what: str) -> None:
+        self._inflight += 1
         try:
             for w in works:
                 w.wait()
         except RuntimeError as exc:
             raise TransportBroken(f"gloo group generation {self.generation} rank {self.rank}: {what} failed "
                                   f"(a peer died or timed out after {self.spec.timeout_s:g} s): {exc}") from exc
+        finally:
+            self._inflight -= 1
 
     def close(self) -> None:
+        held = [self._pg, self._store]
+        self._pg = self._store = None
+        if not self._inflight:
+            held.clear()
+            return
         # A ProcessGroupGloo's destructor waits for its running operations, which after a peer's
         # death only end at the timeout, holding the GIL: drop the last reference on a thread of
         # its own, never on the event loop (it would stop heartbeats and control endpoints).
-        held = [self._pg, self._store]
-        self._pg = self._store = None
         threading.Thread(target=held.clear, name=f"digenrl-comm-drop-g{self.generation}", daemon=True).start()
 
 
