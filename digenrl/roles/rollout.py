@@ -193,7 +193,8 @@ class RolloutActor(GenerationMixin, Actor):
     async def setup(self) -> None:
         model = await self._setup_frozen_engine()
         self.weights = WeightStore(model, version=-1)
-        self._lane = CommReceiver(self.weights)  # the gloo / nccl weight lane (idle on the zmq lane)
+        # The gloo / nccl weight lane (idle on the zmq lane); NCCL buffers live on the model's device.
+        self._lane = CommReceiver(self.weights, self.cfg.model.device if self.cfg.transport.weights == "nccl" else None)
 
     async def __cleanup__(self, exc: BaseException | None) -> None:
         if getattr(self, "_lane", None) is not None:

@@ -375,8 +375,9 @@ class TrainerActor(GenerationMixin, Actor):
         if self._publisher is None:
             from digenrl.roles.weights import CommPublisher
 
-            lane = self.cfg.transport.weights
-            self._publisher = CommPublisher(lane, self._host(), self.bucket_mb, self.cfg.train.group_timeout)
+            lane, device = self.cfg.transport.weights, self.cfg.model.device
+            self._publisher = CommPublisher(lane, self._host(), self.bucket_mb, self.cfg.train.group_timeout,
+                                            device=device if lane == "nccl" else None)
         out = await self._publisher.publish(version, sd, {r: self.peers[r] for r in rollouts})
         return {**out, "t0": t0, "t1": time.time()}
 

@@ -192,11 +192,13 @@ class CommPublisher:
         bucket_mb: bucket size (one collective per bucket).
         timeout_s: how long joining and a broadcast may wait for a peer.
         keep: versions replayed to a re-formed group (>= 2 for staleness 1).
+        device: this process's CUDA device for ``nccl`` (default: the current one).
     """
 
     def __init__(self, kind: str, host: str = "127.0.0.1", bucket_mb: float = 64.0, timeout_s: float = 120.0,
-                 keep: int = 2) -> None:
+                 keep: int = 2, device: torch.device | str | None = None) -> None:
         self.host = GroupHost(kind, host, timeout_s)
+        self.device = device
         self.bucket_mb, self.keep = bucket_mb, max(1, keep)
         self.members: list[str] = []
         self.ops: OrderedOps | None = None
@@ -273,7 +275,7 @@ class CommPublisher:
         wire = spec.to_wire()
         calls = [asyncio.ensure_future(ref.join_weights_group.call(wire, rank))
                  for rank, ref in enumerate(alive.values(), 1)]
-        own = asyncio.ensure_future(asyncio.to_thread(join_group, spec, 0))
+        own = asyncio.ensure_future(asyncio.to_thread(join_group, spec, 0, self.device))
         dead = await _together(own, calls, list(alive))
         if dead:
             if own.done() and not own.cancelled() and own.exception() is None:
@@ -345,17 +347,19 @@ class CommReceiver:
 
     Args:
         store: the actor's weight store (anything with ``versions`` and ``stage(version, sd)``).
+        device: this process's CUDA device for ``nccl`` (default: the current one).
     """
 
-    def __init__(self, store: Any) -> None:
+    def __init__(self, store: Any, device: torch.device | str | None = None) -> None:
         self.store = store
+        self.device = device
         self.ops: OrderedOps | None = None
         self.log: list[int] = []  # versions received, in order (for tests and weights_info)
 
     async def join(self, wire: Any, rank: int) -> int:
         """Join the generation ``wire`` describes as ``rank``; leaves the previous one. Returns the generation."""
         spec = GroupSpec.from_wire(wire)
-        comm = await asyncio.to_thread(join_group, spec, rank)
+        comm = await asyncio.to_thread(join_group, spec, rank, self.device)
         if self.ops is not None and self.ops.generation >= spec.generation:
             comm.close()  # a join that finished after a newer generation's: never step back
             raise ProtocolError(f"group generation {spec.generation} is older than this actor's {self.ops.generation}")

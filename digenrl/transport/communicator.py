@@ -299,8 +299,10 @@ class GroupHost:
         self._store = None
 
 
-def join_group(spec: GroupSpec, rank: int) -> Communicator:
+def join_group(spec: GroupSpec, rank: int, device: torch.device | str | None = None) -> Communicator:
     """Join ``spec``'s generation as ``rank``; blocks until all ``spec.world`` members joined.
+
+    ``device``: NCCL's CUDA device (default: the current one; gloo always works in host memory).
 
     Raises:
         TransportBroken: the group did not form within ``spec.timeout_s``.
@@ -309,7 +311,7 @@ def join_group(spec: GroupSpec, rank: int) -> Communicator:
     if spec.kind == "nccl":
         from digenrl.transport.nccl import NcclCommunicator
 
-        return NcclCommunicator(spec, rank)
+        return NcclCommunicator(spec, rank, device)
     return GlooCommunicator(spec, rank)
 
 
