@@ -36,7 +36,8 @@ __all__ = ["check_gpu", "problems", "SKIPPED_WITHOUT_GPU"]
 
 MiB = 1 << 20
 PARITY_TOL = 1e-3
-SKIPPED_WITHOUT_GPU = ("devices", "p2p", "copy_bandwidth", "nccl_broadcast", "cuda_ipc", "tiny_runs", "parity")
+SKIPPED_WITHOUT_GPU = ("devices", "p2p", "copy_bandwidth", "nccl_broadcast", "nccl_communicator", "cuda_ipc",
+                       "tiny_runs", "parity")
 
 
 def check_gpu() -> dict[str, Any]:
@@ -54,6 +55,7 @@ def check_gpu() -> dict[str, Any]:
         ("p2p", lambda: _p2p(n)),
         ("copy_bandwidth", lambda: _copies(n)),
         ("nccl_broadcast", lambda: [_nccl(w, out) for w in sorted({1, n})]),
+        ("nccl_communicator", lambda: [_communicator(w, out) for w in sorted({1, n})]),
         ("cuda_ipc", lambda: [_ipc(0, d, out) for d in sorted({0, n - 1})]),
         ("tiny_runs", lambda: [_tiny_run("colocated"), _tiny_run("async1")]),
     ]
@@ -173,6 +175,51 @@ def _nccl(world: int, out: dict[str, Any], nbytes: int = 256 * MiB) -> dict[str,
     mp.start_processes(_nccl_rank, args=(world, _free_port(), nbytes, 10, results), nprocs=world,
                        start_method="spawn")
     gbps = results.get()
+    ref = _reference(out, 0, world - 1)
+    return {"gpus": world, "size_bytes": nbytes, "gbps": gbps, "copy_gbps": ref, "ratio": gbps / ref if ref else None}
+
+
+def _communicator_rank(rank: int, world: int, wire: dict[str, Any], nbytes: int, rounds: int, results: Any) -> None:
+    import torch
+
+    from digenrl.transport.communicator import GroupSpec, join_group
+
+    # The weight lane's own path: cupy's NCCL binding, unique id handed over, no torch.distributed.
+    torch.cuda.set_device(rank)
+    comm = join_group(GroupSpec.from_wire(wire), rank, f"cuda:{rank}")
+    try:
+        bufs = [torch.full((nbytes // 2,), rank, dtype=torch.bfloat16, device=f"cuda:{rank}")]
+        times = []
+        for _ in range(rounds + 3):
+            t0 = time.perf_counter()
+            comm.broadcast(bufs, 0)  # returns once the data landed (it waits for its stream)
+            times.append(time.perf_counter() - t0)
+        exact = bool((bufs[0] == 0).all())  # bf16 as raw bytes: rank 0's zeros everywhere
+        times = sorted(times[3:])
+        results.put((rank, exact, nbytes / times[len(times) // 2] / 1e9))
+    finally:
+        comm.close()
+
+
+def _communicator(world: int, out: dict[str, Any], nbytes: int = 256 * MiB) -> dict[str, Any]:
+    import importlib.util
+
+    import torch.multiprocessing as mp
+
+    from digenrl.transport.communicator import GroupHost
+
+    if importlib.util.find_spec("cupy") is None:
+        return {"gpus": world, "skipped": "cupy is not installed (pip install 'digenrl[gpu]'); transport.weights = "
+                                           "'nccl' needs it"}
+    spec = GroupHost("nccl").new_group(world)
+    ctx = mp.get_context("spawn")
+    results = ctx.SimpleQueue()
+    mp.start_processes(_communicator_rank, args=(world, spec.to_wire(), nbytes, 10, results), nprocs=world,
+                       start_method="spawn")
+    got = sorted(results.get() for _ in range(world))
+    if not all(exact for _, exact, _ in got):
+        raise RuntimeError(f"nccl communicator broadcast was not bit-exact on ranks {[r for r, e, _ in got if not e]}")
+    gbps = got[0][2]
     ref = _reference(out, 0, world - 1)
     return {"gpus": world, "size_bytes": nbytes, "gbps": gbps, "copy_gbps": ref, "ratio": gbps / ref if ref else None}
 

@@ -191,7 +191,7 @@ class GlooCommunicator(Communicator):
         host, port = spec.address.rsplit(":", 1)
         timeout = datetime.timedelta(seconds=spec.timeout_s)
         try:
-            self._store = dist.TCPStore(host.strip("[]"), int(port), None, False, timeout=timeout)
+            self._store: Any = dist.TCPStore(host.strip("[]"), int(port), None, False, timeout=timeout)
             prefix = dist.PrefixStore(f"digenrl-g{spec.generation}-{spec.uid.hex()}", self._store)
             self._pg: Any = dist.ProcessGroupGloo(prefix, rank, spec.world, timeout)
         except (RuntimeError, ValueError) as exc:  # DistStoreError / DistNetworkError are RuntimeErrors

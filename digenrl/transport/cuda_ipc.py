@@ -176,7 +176,7 @@ class AckBatcher:
         schedule: ``schedule(callback)`` runs ``callback`` soon on the loop.
     """
 
-    def __init__(self, send: Callable[[str, list[int]], None], schedule: Callable[[Callable[[], None]], None]) -> None:
+    def __init__(self, send: Callable[[str, list[int]], None], schedule: Callable[[Callable[[], None]], Any]) -> None:
         self._send = send
         self._schedule = schedule
         self._pending: dict[str, list[int]] = {}
