@@ -34,7 +34,7 @@ import torch
 from digenrl.errors import ActorDied, ProtocolError, StalenessViolation, TransportBroken
 from digenrl.models.lora import load_trainable_state_dict, trainable_state_dict
 from digenrl.transport.codec import DTYPES
-from digenrl.transport.communicator import GroupHost, GroupSpec, OrderedOps, join_group
+from digenrl.transport.communicator import GroupHost, GroupSpec, OrderedOps, join_group_async
 
 __all__ = ["pack_buckets", "unpack_buckets", "state_digest", "WeightStore", "CommPublisher", "CommReceiver"]
 
@@ -275,7 +275,7 @@ class CommPublisher:
         wire = spec.to_wire()
         calls = [asyncio.ensure_future(ref.join_weights_group.call(wire, rank))
                  for rank, ref in enumerate(alive.values(), 1)]
-        own = asyncio.ensure_future(asyncio.to_thread(join_group, spec, 0, self.device))
+        own = asyncio.ensure_future(join_group_async(spec, 0, self.device))
         dead = await _together(own, calls, list(alive))
         if dead:
             if own.done() and not own.cancelled() and own.exception() is None:
@@ -359,7 +359,7 @@ class CommReceiver:
     async def join(self, wire: Any, rank: int) -> int:
         """Join the generation ``wire`` describes as ``rank``; leaves the previous one. Returns the generation."""
         spec = GroupSpec.from_wire(wire)
-        comm = await asyncio.to_thread(join_group, spec, rank, self.device)
+        comm = await join_group_async(spec, rank, self.device)
         if self.ops is not None and self.ops.generation >= spec.generation:
             comm.close()  # a join that finished after a newer generation's: never step back
             raise ProtocolError(f"group generation {spec.generation} is older than this actor's {self.ops.generation}")

@@ -48,7 +48,8 @@ import torch
 
 from digenrl.errors import ProtocolError, TransportBroken, TransportClosed
 
-__all__ = ["COMM_KINDS", "Communicator", "GlooCommunicator", "GroupHost", "GroupSpec", "OrderedOps", "join_group"]
+__all__ = ["COMM_KINDS", "Communicator", "GlooCommunicator", "GroupHost", "GroupSpec", "OrderedOps", "join_group",
+           "join_group_async"]
 
 log = logging.getLogger(__name__)
 
@@ -315,6 +316,26 @@ def join_group(spec: GroupSpec, rank: int, device: torch.device | str | None = N
     return GlooCommunicator(spec, rank)
 
 
+async def join_group_async(spec: GroupSpec, rank: int, device: torch.device | str | None = None) -> Communicator:
+    """:func:`join_group` off the event loop, on a daemon thread.
+
+    Not ``asyncio.to_thread``: a join whose peer died waits out the spec's timeout, and the default
+    executor's threads are joined when the loop closes, which would hold up the process's exit.
+    """
+    loop = asyncio.get_running_loop()
+    fut: asyncio.Future[Communicator] = loop.create_future()
+
+    def work() -> None:
+        try:
+            result, error = join_group(spec, rank, device), None
+        except BaseException as exc:  # delivered to the awaiting task
+            result, error = None, exc
+        _settle(fut, result, error)
+
+    threading.Thread(target=work, name=f"digenrl-comm-join-g{spec.generation}", daemon=True).start()
+    return await fut
+
+
 class OrderedOps:
     """Runs one member's operations on a thread of their own, in the order the root numbered them.
 
@@ -395,7 +416,7 @@ class OrderedOps:
                 self._cond.notify_all()
 
         try:
-            asyncio.get_running_loop().create_task(notify())
+            self._waking = asyncio.get_running_loop().create_task(notify())  # held: a bare task may be collected
         except RuntimeError:  # no loop running (closing at exit): nobody can be waiting
             pass
 
