@@ -188,19 +188,20 @@ class NcclCommunicator(Communicator):
 
     def broadcast(self, buffers: Sequence[torch.Tensor], root: int = 0) -> None:
         self._check(buffers, root, "root")
-        self._issue(buffers, lambda ptr, dt, n, s: self._comm.bcast(ptr, n, dt, root, s), f"broadcast from {root}")
+        self._issue(buffers, lambda c, ptr, dt, n, s: c.bcast(ptr, n, dt, root, s), f"broadcast from {root}")
 
     def send(self, buffers: Sequence[torch.Tensor], peer: int) -> None:
         self._check(buffers, peer, "peer")
-        self._issue(buffers, lambda ptr, dt, n, s: self._comm.send(ptr, n, dt, peer, s), f"send to {peer}")
+        self._issue(buffers, lambda c, ptr, dt, n, s: c.send(ptr, n, dt, peer, s), f"send to {peer}")
 
     def recv(self, buffers: Sequence[torch.Tensor], peer: int) -> None:
         self._check(buffers, peer, "peer")
-        self._issue(buffers, lambda ptr, dt, n, s: self._comm.recv(ptr, n, dt, peer, s), f"recv from {peer}")
+        self._issue(buffers, lambda c, ptr, dt, n, s: c.recv(ptr, n, dt, peer, s), f"recv from {peer}")
 
-    def _issue(self, buffers: Sequence[torch.Tensor], call: Callable[[int, int, int, int], None], what: str) -> None:
-        if self._broken:
-            raise TransportBroken(f"nccl group generation {self.generation} was aborted")
+    def _issue(self, buffers: Sequence[torch.Tensor], call: Callable[[Any, int, int, int, int], None], what: str) -> None:
+        comm = self._comm
+        if self._broken or comm is None:
+            raise TransportBroken(f"nccl group generation {self.generation} was aborted or closed")
         self._inflight += 1
         try:
             with torch.cuda.device(self._device):
@@ -212,7 +213,7 @@ class NcclCommunicator(Communicator):
                     for b in buffers:
                         if b.numel():
                             datatype, count = nccl_args(b)
-                            call(b.data_ptr(), datatype, count, handle)
+                            call(comm, b.data_ptr(), datatype, count, handle)
                 finally:
                     self._nccl.groupEnd()  # always paired, even when a call raised
                 self._wait(what)
@@ -226,7 +227,10 @@ class NcclCommunicator(Communicator):
         deadline = time.monotonic() + self.spec.timeout_s
         pause = 1e-5
         while not self._stream.query():
-            self._comm.check_async_error()
+            comm = self._comm
+            if comm is None:  # closed (aborted) from another thread while we waited
+                raise TransportBroken(f"nccl group generation {self.generation}: closed during {what}")
+            comm.check_async_error()
             if time.monotonic() > deadline:
                 self._abort()
                 raise TransportBroken(f"nccl group generation {self.generation} rank {self.rank}: {what} did not "
@@ -236,16 +240,17 @@ class NcclCommunicator(Communicator):
 
     def _abort(self) -> None:
         self._broken = True
-        self._comm.abort()
+        comm, self._comm = self._comm, None
+        if comm is not None:
+            comm.abort()
 
     def close(self) -> None:
         # destroy() waits for pending operations; abort() does not (and is the only way out after a
         # peer died). Both are idempotent in cupy (they check the handle).
-        comm = getattr(self, "_comm", None)
+        comm, self._comm = getattr(self, "_comm", None), None
         if comm is None:
             return
         if self._inflight or self._broken:
-            comm.abort()
+            comm.abort()  # (NCCL allows it from another thread: it ends the operation stuck there)
         else:
             comm.destroy()
-        self._comm = None
