@@ -232,6 +232,11 @@ def encode(
     """
     if not isinstance(header, dict):
         raise TypeError(f"header must be a dict, got {type(header).__name__}")
+    if payload is None and _plain_header(header):
+        # Header only (most control messages): no frames to collect, nothing to convert.
+        head = msgpack.packb([PROTOCOL_VERSION, 0, header, None], use_bin_type=True)
+        _check_limits(len(head), 0, len(head), options, "encode")
+        return [head]
     enc = _Encoder(options, offload)
     if _plain_header(header):
         wire_header: Any = header  # the usual header (str keys, scalar values) goes to msgpack as is
@@ -408,7 +413,6 @@ def _decode(frames: Sequence[Any], options: CodecOptions, resolve: Resolve | Non
                             reason="oversized")
     views = [_view(f) for f in frames]
     _check_limits(views[0].nbytes, len(views) - 1, sum(v.nbytes for v in views), options, "decode")
-    dec = _Decoder(views, resolve, options.max_total_bytes)
     try:
         top = msgpack.unpackb(views[0], raw=False, strict_map_key=False, use_list=True)
     except (msgpack.ExtraData, msgpack.FormatError, msgpack.StackError, ValueError) as exc:
@@ -421,8 +425,10 @@ def _decode(frames: Sequence[Any], options: CodecOptions, resolve: Resolve | Non
                             reason="version")
     if top[1] != len(views) - 1:
         raise ProtocolError(f"header announces {top[1]!r:.20} payload frames but {len(views) - 1} arrived")
+    if top[3] is None and type(top[2]) is dict and _plain_header(top[2]):
+        return top[2], None  # header only: no extension can hide in str keys and scalar values
     # Unpack again with the extension hook now that the envelope is known to be sane.
-    _, _, header, payload = dec.unpack(views[0])
+    _, _, header, payload = _Decoder(views, resolve, options.max_total_bytes).unpack(views[0])
     if not isinstance(header, dict) or not all(isinstance(k, str) for k in header):
         raise ProtocolError(f"header must be a map with str keys, got {type(header).__name__}")
     return header, payload

@@ -226,6 +226,7 @@ class ZmqTransport(Transport):
         self._reader = _shm.ShmReader()
         self.stats["shm_fallback"] = 0
         self.stats["auth_failed"] = 0
+        self._counts = self.stats  # the same dict, without the property on the per-message path
         self._curve = curve
         self._res = _Resources(zmq.asyncio.Context())
         self._finalizer = weakref.finalize(self, self._res.close)
@@ -317,10 +318,10 @@ class ZmqTransport(Transport):
             raise peer.broken
         if not peer.connected.is_set():
             await self._wait_connected(peer)
-        undo, offload = self._make_offload(peer, payload)
+        undo, offload = (None, None) if payload is None else self._make_offload(peer, payload)
         try:
             frames = codec.encode(header, payload, options=self._options, offload=offload)
-            big = any(codec.frame_nbytes(f) >= _TRACK_MIN for f in frames[1:])
+            big = len(frames) > 1 and any(codec.frame_nbytes(f) >= _TRACK_MIN for f in frames[1:])
             if big or peer.lock.locked() or not _send_now(peer.sync, frames):
                 # Large frames (tracked) or a full pipe: the awaitable path, one sender at a time.
                 async with peer.lock:
@@ -337,7 +338,7 @@ class ZmqTransport(Transport):
             await asyncio.to_thread(tracker.wait)
         if peer.broken is not None:
             raise peer.broken
-        self.stats["sent"] += 1
+        self._counts["sent"] += 1
 
     def _reraise_send_error(self, peer: _Peer, exc: BaseException) -> None:
         """Turn the side effects of a concurrent close/peer death into the documented errors."""
@@ -518,7 +519,7 @@ class ZmqTransport(Transport):
     def _enqueue(self, msg: Message | None) -> None:
         if msg is not None:
             self._queue.append(msg)
-            self.stats["received"] += 1
+            self._counts["received"] += 1
             self._wake()
 
     def _decode(self, frames: list[zmq.Frame]) -> Message | None:

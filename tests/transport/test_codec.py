@@ -148,6 +148,24 @@ def test_encode_enforces_limits() -> None:
         encode({}, [torch.zeros(1000)] * 3, options=CodecOptions(max_frames=2))
 
 
+def test_header_only_messages_take_one_frame_and_keep_every_type() -> None:
+    # The fast path (plain header, no payload) and the general path must agree on the wire.
+    plain = {"op": "echo", "id": 7, "t": 0.5, "ok": True, "none": None}
+    frames = encode(plain)
+    assert len(frames) == 1 and frames[0] == pack(PROTOCOL_VERSION, 0, plain, None)
+    assert decode(frames) == (plain, None)
+    for header in ({"ids": (1, 2)}, {"rows": [[0, 4]]}, {"blob": b"ab"}, {"m": {"k": 1}}):
+        got, payload = decode(encode(header))
+        assert payload is None
+        assert_same(got, header)
+    with pytest.raises(ProtocolError, match="max_header_bytes"):
+        encode({"op": "x" * 100}, options=CodecOptions(max_header_bytes=64))
+    with pytest.raises(ProtocolError, match="max_header_bytes"):
+        decode(encode({"op": "x" * 100}), options=CodecOptions(max_header_bytes=64))
+    with pytest.raises(ProtocolError, match="protocol version"):
+        decode([pack(PROTOCOL_VERSION + 1, 0, plain, None)])
+
+
 # ------------------------------------------------------------------------------------ bad input
 
 
