@@ -70,6 +70,10 @@ CASES = [
     ("non-contiguous", rand((64, 32), torch.float32).t(), 1),
     ("non-contiguous-slice", rand((100, 100), torch.float16)[::3, 1::2], 1),
     ("expanded", torch.arange(4.0).expand(300, 4), 1),
+    ("fp64-big", rand((300,), torch.float64), 1),
+    ("int16-big", rand((600,), torch.int16), 1),
+    ("int8-big", rand((2000,), torch.int8), 1),
+    ("requires-grad", rand((300,), torch.float32).requires_grad_(), 1),
 ]
 
 
@@ -123,6 +127,17 @@ def test_received_tensor_is_zero_copy_view_of_writable_frame() -> None:
     _, out = decode(writable)
     out[0] = 42.0  # the tensor views the received buffer: no copy was made
     assert torch.frombuffer(writable[1], dtype=torch.float32)[0] == 42.0
+
+
+def test_unaligned_frames_decode_bit_for_bit() -> None:
+    # A frame may start at any address; numpy views need alignment, so such frames take the bytewise path.
+    for dtype in (torch.float32, torch.bfloat16, torch.int64):
+        x = rand((700,), dtype)
+        head, body = encode({}, x)
+        buf = bytearray(len(memoryview(body)) + 1)
+        buf[1:] = bytes(body)
+        _, out = decode([head, memoryview(buf)[1:]])
+        assert bits_equal(out, x)
 
 
 def test_large_bytes_go_out_of_band() -> None:
