@@ -41,6 +41,8 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -111,17 +113,16 @@ def _import_ray() -> Any:
 class WorkerHost:
     """The Ray actor of one bundle: starts one digenrl worker process and reports how it ended.
 
-    Runs threaded (``max_concurrency``) so ``wait`` can block while ``stop`` is called.
+    The worker starts in ``__init__``, which Ray runs on the actor process's main thread: Linux sends
+    ``PR_SET_PDEATHSIG`` when the *thread* that started a child exits, and the main thread lives exactly
+    as long as the actor. Methods run threaded (``max_concurrency``), so ``wait`` blocks while ``stop``
+    is called.
     """
 
-    def __init__(self) -> None:
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.keys_dir: str | None = None
-
-    def start(self, argv: list[str], keys: dict[str, bytes] | None) -> dict[str, Any]:
-        """Start ``python -m digenrl.actors._child <argv>`` here; returns pids and the node's address."""
+    def __init__(self, argv: list[str], keys: dict[str, bytes] | None) -> None:
         import ray
 
+        self.keys_dir: str | None = None
         ip = ray.util.get_node_ip_address()
         if keys is not None:  # handed over by the launcher: a private copy on this node
             self.keys_dir = tempfile.mkdtemp(prefix="digenrl-keys-")
@@ -136,13 +137,16 @@ class WorkerHost:
         cmd = [sys.executable, "-m", "digenrl.actors._child", *argv, "--listen", listen,
                "--parent-pid", str(os.getpid()), "--parent-signal", "SIGKILL"]
         self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
-        return {"host_pid": os.getpid(), "worker_pid": self.proc.pid, "node_ip": ip,
-                "node_id": ray.get_runtime_context().get_node_id(),
-                "gpus": os.environ.get("CUDA_VISIBLE_DEVICES", "")}
+        self.where = {"host_pid": os.getpid(), "worker_pid": self.proc.pid, "node_ip": ip,
+                      "node_id": ray.get_runtime_context().get_node_id(),
+                      "gpus": os.environ.get("CUDA_VISIBLE_DEVICES", "")}
+
+    def info(self) -> dict[str, Any]:
+        """The pids of this actor and its worker, the node's address and id, the visible GPUs."""
+        return self.where
 
     def wait(self) -> int:
         """Block until the worker process exits; its exit code (negative: the signal that killed it)."""
-        assert self.proc is not None
         code = self.proc.wait()
         if self.keys_dir is not None:
             import shutil
@@ -152,8 +156,6 @@ class WorkerHost:
 
     def stop(self, timeout: float) -> int | None:
         """SIGTERM the worker (it drains and exits), SIGKILL after ``timeout``; its exit code."""
-        if self.proc is None:
-            return None
         with contextlib.suppress(ProcessLookupError):
             self.proc.terminate()
         try:
@@ -292,14 +294,14 @@ class RayLauncher:
             opts: dict[str, Any] = {"num_cpus": res.pop("CPU", 0.0), "num_gpus": res.pop("GPU", 0.0),
                                     "resources": res, "name": host_actor_name(b.actor), "max_restarts": 0,
                                     "scheduling_strategy": PlacementGroupSchedulingStrategy(self.pg, i)}
-            host = host_cls.options(**opts).remote()  # type: ignore[attr-defined]
-            self.hosts[b.actor] = host
             spec = class_spec(b.cls)
             argv = ["--join", system.address, "--name", b.actor, "--transport", system.transport_kind,
                     "--parent-timeout", str(system.heartbeat_timeout), "--allow", f"{spec['mod']}:{spec['qual']}",
                     "--event-loop", running_loop_name(),
                     "--log-level", logging.getLevelName(logging.getLogger("digenrl.actors").getEffectiveLevel())]
-            starts[b.actor] = _future(host.start.remote(argv, keys))
+            host = host_cls.options(**opts).remote(argv, keys)  # type: ignore[attr-defined]
+            self.hosts[b.actor] = host
+            starts[b.actor] = _future(host.info.remote())
         for name, fut in starts.items():
             self.info[name] = await fut
             self._waits[name] = _future(self.hosts[name].wait.remote())
@@ -338,17 +340,20 @@ class RayLauncher:
             await asyncio.shield(fut)
         if not self._closing:
             why = _ended(fut)
-            log.error("Ray: the worker of %s on node %s %s", name, self.info[name]["node_ip"], why)
+            log.error("Ray: the worker of %s (node %s) %s", name, self.info[name]["node_ip"], why)
             system.worker_lost(worker, f"Ray: {why}")
 
     async def aclose(self, timeout: float = 5.0) -> None:
-        """Stop the watchers, let the workers exit (kill them after ``timeout``), release everything. Idempotent."""
+        """Stop the watchers, let the workers exit (kill them after ``timeout``), release everything. Idempotent.
+
+        Every step is bounded: after ``ray stop`` (or the loss of the head node) Ray's own calls would
+        block, and the run's error must still reach the user; what Ray no longer answers for ends with it.
+        """
         self._closing = True
         for task in self._watchers:
             task.cancel()
         await asyncio.gather(*self._watchers, return_exceptions=True)
         self._watchers.clear()
-        ray = self.ray
         if self.hosts:
             # The system told its workers to exit already; a short wait, then SIGTERM/SIGKILL via stop().
             pending = [f for f in self._waits.values() if not f.done()]
@@ -358,22 +363,53 @@ class RayLauncher:
                      if n in self._waits and not self._waits[n].done()]
             if stops:
                 await asyncio.wait(stops, timeout=timeout)
-            for host in self.hosts.values():
-                with contextlib.suppress(Exception):
-                    ray.kill(host, no_restart=True)
             for fut in self._waits.values():
                 if not fut.done():
                     fut.cancel()
-            self.hosts.clear()
-        if self.pg is not None:
+        hosts, pg, owns = list(self.hosts.values()), self.pg, self._owns_ray
+        self.hosts, self.pg, self._owns_ray = {}, None, False
+        if not (hosts or pg is not None or owns):
+            return
+        if await _bounded(lambda: self._release(hosts, pg), timeout):
+            if pg is not None:
+                log.info("[shutdown] RayLauncher: step=removed placement group %s", pg.id.hex())
+            if owns and self.ray.is_initialized():
+                self.ray.shutdown()
+        else:
+            log.warning("[shutdown] RayLauncher: step=release Ray did not answer within %.0f s (`ray stop`, or its "
+                        "head node lost?); the run's Ray actors and placement group end with that cluster", timeout)
+
+    def _release(self, hosts: list[Any], pg: Any) -> None:
+        for host in hosts:
+            with contextlib.suppress(Exception):
+                self.ray.kill(host, no_restart=True)
+        if pg is not None:
             from ray.util.placement_group import remove_placement_group
 
-            with contextlib.suppress(Exception):
-                remove_placement_group(self.pg)
-            log.info("[shutdown] RayLauncher: step=removed placement group %s", self.placement_group_id)
-        if self._owns_ray and ray is not None and ray.is_initialized():
-            ray.shutdown()
-            self._owns_ray = False
+            remove_placement_group(pg)
+
+
+async def _bounded(fn: Callable[[], None], timeout: float) -> bool:
+    """Run the blocking ``fn`` on a daemon thread (it may never return); whether it returned within ``timeout``."""
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[None] = loop.create_future()
+
+    def target() -> None:
+        error: BaseException | None = None
+        try:
+            fn()
+        except Exception as exc:
+            error = exc
+        loop.call_soon_threadsafe(lambda: done.done() or (done.set_exception(error) if error else done.set_result(None)))
+
+    threading.Thread(target=target, name="digenrl-ray-release", daemon=True).start()
+    try:
+        await asyncio.wait_for(asyncio.shield(done), timeout)
+    except TimeoutError:
+        return False
+    except Exception as exc:
+        log.warning("[shutdown] RayLauncher: step=release failed: %s", exc)
+    return True
 
 
 def _future(ref: Any) -> asyncio.Future[Any]:
@@ -386,8 +422,8 @@ def _ended(fut: asyncio.Future[int]) -> str:
         return "was cancelled"
     exc = fut.exception()
     if exc is not None:
-        return f"died ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
-    return f"worker process {_describe(fut.result())}"
+        return f"is lost: its Ray actor died ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
+    return _describe(fut.result())
 
 
 def _key_files(path: str) -> dict[str, bytes]:

@@ -4,6 +4,7 @@ and a killed Ray actor is the same event as a kill -9 of an actor process."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -176,37 +177,86 @@ async def test_killed_ray_actor_of_the_trainer_stops_the_run_with_its_checkpoint
     assert not alive and all(pg["state"] == "REMOVED" for pg in _ours())
 
 
-def test_ctrl_c_of_the_driver_removes_every_process_of_the_run(tmp_path: Path) -> None:
-    # The driver starts a Ray of its own (--ray-address local), so all of Ray is below it too.
+def _driver(out: Path, *overrides: str) -> subprocess.Popen[str]:
+    """`digenrl run --launcher ray` with a Ray of its own (--ray-address local): all of Ray is below it too."""
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
     env.pop("RAY_ADDRESS", None)
-    out = tmp_path / "run"
     # Ctrl-C as at a terminal: SIGINT raises KeyboardInterrupt in the driver even if this test's own parent
     # started it with SIGINT ignored (a background job), which the child would otherwise inherit.
     main = ("import signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
             "from digenrl_cli.main import app; sys.argv[0] = 'digenrl'; app()")
     args = [sys.executable, "-c", main, "run", str(CONFIG), "--launcher", "ray", "--ray-address", "local",
             "--out", str(out), "--set", "train.iterations=1000", "--set", "rollout.prompts_per_batch=8",
-            "--set", "schedule.fragment_groups=4", "--set", "schedule.train_pack=32", "--set", "log.image_every=0",
-            "--set", "log.checkpoint_every=0"]
-    driver = subprocess.Popen(args, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True)
+            "--set", "schedule.fragment_groups=4", "--set", "schedule.train_pack=32", "--set", "log.image_every=0"]
+    for item in overrides:
+        args += ["--set", item]
+    return subprocess.Popen(args, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+
+
+def _running(driver: subprocess.Popen[str], out: Path) -> list[psutil.Process]:
+    """Wait for the first optimizer step (event: its metrics line), then every process below the driver."""
+    while not ((out / "metrics.jsonl").is_file() and (out / "metrics.jsonl").read_text().strip()):
+        assert driver.poll() is None, driver.stdout.read() if driver.stdout else ""
+        time.sleep(0.2)
+    procs = psutil.Process(driver.pid).children(recursive=True)
+    titles = {" ".join(p.cmdline()) for p in procs if p.is_running()}
+    assert all(any(role in t for t in titles) for role in ROLES), titles
+    assert any("raylet" in t for t in titles), titles
+    return procs
+
+
+def test_ctrl_c_of_the_driver_removes_every_process_of_the_run(tmp_path: Path) -> None:
+    driver = _driver(tmp_path, "log.checkpoint_every=0")
     try:
-        tree = psutil.Process(driver.pid)
-        # Event: the first optimizer step is logged (the role processes are up and working).
-        while not ((out / "metrics.jsonl").is_file() and (out / "metrics.jsonl").read_text().strip()):
-            assert driver.poll() is None, driver.stdout.read() if driver.stdout else ""
-            time.sleep(0.2)
-        procs = tree.children(recursive=True)
-        titles = {" ".join(p.cmdline()) for p in procs if p.is_running()}
-        assert all(any(role in t for t in titles) for role in ROLES), titles
-        assert any("raylet" in t for t in titles), titles
+        procs = _running(driver, tmp_path)
         driver.send_signal(signal.SIGINT)
         output, _ = driver.communicate(timeout=120)
-        assert driver.returncode != 0 and len(_lines(out)) < 1000  # interrupted, not finished
+        assert driver.returncode != 0 and len(_lines(tmp_path)) < 1000  # interrupted, not finished
         _, alive = psutil.wait_procs(procs, timeout=30)
         assert not alive, [(p.pid, p.cmdline()) for p in alive]
         assert "removed placement group" in output, output[-2000:]
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+            driver.wait()
+
+
+def _ray_stop(procs: list[psutil.Process], grace: float = 1.0) -> None:
+    """What `ray stop --grace-period 3` does to these processes of one Ray (never run it here: it stops every Ray on
+    the machine): the raylet, then the others (workers, agents), then the GCS; each group SIGTERM, then SIGKILL
+    after its share of the grace period. The digenrl workers are not Ray's: they end with their Ray actors."""
+    def name(p: psutil.Process) -> str:
+        try:
+            return " ".join(p.cmdline())
+        except psutil.NoSuchProcess:
+            return ""
+
+    raylet = [p for p in procs if "raylet/raylet" in name(p)]
+    gcs = [p for p in procs if "gcs_server" in name(p)]
+    for group in (raylet, [p for p in procs if p not in raylet and p not in gcs], gcs):
+        for p in group:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                p.terminate()
+        for p in psutil.wait_procs(group, timeout=grace)[1]:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                p.kill()
+
+
+def test_ray_stop_mid_run_stops_it_with_a_resume_hint_and_leaves_no_process(tmp_path: Path) -> None:
+    driver = _driver(tmp_path, "log.checkpoint_every=1")
+    try:
+        procs = _running(driver, tmp_path)
+        while not (tmp_path / "checkpoints" / "latest").is_file():  # event: a checkpoint to resume from
+            assert driver.poll() is None
+            time.sleep(0.2)
+        _ray_stop([p for p in procs if not any(role in " ".join(p.cmdline()) for role in ROLES)])
+        output, _ = driver.communicate(timeout=120)
+        assert driver.returncode == 1, output[-3000:]
+        assert "RunStopped: trainer trainer-0 died" in output and "resume with --resume" in output, output[-3000:]
+        _, alive = psutil.wait_procs(procs, timeout=30)
+        assert not alive, [(p.pid, p.cmdline()) for p in alive]
+        assert find_checkpoint(tmp_path).name.startswith("step-")
     finally:
         if driver.poll() is None:
             driver.kill()
