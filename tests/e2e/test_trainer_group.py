@@ -74,7 +74,9 @@ def _initial(*overrides: str) -> dict[str, torch.Tensor]:
 async def test_two_lora_trainers_make_the_update_of_one(tmp_path: Path) -> None:
     """DDP path: each trainer trains its share of the rows, one bucketed all-reduce sums the gradients."""
     one, h1 = await _step_once(tmp_path, "one")
-    two, h2 = await _step_once(tmp_path, "two", "placement.trainer=2")
+    # Weights over the gloo communicator: the lead trainer is in the trainer group (the default
+    # torch.distributed world) and in the weight group (no world) at once.
+    two, h2 = await _step_once(tmp_path, "two", "placement.trainer=2", "transport.weights=gloo")
     assert h1[0]["reward_mean"] == h2[0]["reward_mean"]  # the same samples
     assert h2[0]["rows_trained"] == h1[0]["rows_trained"] > 0
     assert h2[0]["grad_norm"] == pytest.approx(h1[0]["grad_norm"], rel=1e-4)
