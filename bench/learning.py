@@ -52,32 +52,62 @@ def window_stats(curve: list[float], w: int = 5) -> dict[str, float]:
     return {"first": statistics.fmean(first), "last": statistics.fmean(last), "gain": gain, "gain_in_noise": gain / se}
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
-    import torch
-
-    from digenrl.config import load_config
-    from digenrl.recipes.colocated import train
-
-    overrides = [
+def _overrides(args: argparse.Namespace, control: str, seed: int) -> list[str]:
+    return [
         f"train.iterations={args.iters}",
         f"reward.weights={{{args.reward}=1.0}}",
         f"data.prompt_set={_PROMPT_SET.get(args.reward, 'simple')}",
-        f"train.control={args.control}",
+        f"train.control={control}",
         f"placement.threads={args.threads}",
-        f"log.seed={args.seed}",
+        f"log.seed={seed}",
         *args.set,
     ]
+
+
+def _ode_samples(model: Any, prompts: list[str], seed: int, steps: int) -> Any:
+    """ODE samples (noise 0) of ``prompts`` from fixed initial noise: the same picture before and after."""
+    import torch
+
+    with torch.no_grad():
+        cond = model.encode_prompts(prompts)
+        x = model.prepare_latents(len(prompts), generator=torch.Generator().manual_seed(seed))
+        sig = model.sigmas(steps)
+        for i in range(steps):
+            x = x + (sig[i + 1] - sig[i]) * model.velocity(x, sig[i].expand(len(prompts)), cond)
+        return model.decode(x)
+
+
+def run(args: argparse.Namespace, control: str | None = None, seed: int | None = None,
+        grids: bool = False) -> dict[str, Any]:
+    """One learning run (the colocated loop, as ``digenrl run`` with ``schedule.name = colocated`` trains).
+
+    With ``grids``, also the ODE samples of 16 fixed prompts and noises before the first and after the
+    last iteration (``result["grids"]``: the two image tensors and the prompts).
+    """
+    import torch
+
+    from digenrl.config import load_config
+    from digenrl.recipes.colocated import iteration, setup
+
+    control = args.control if control is None else control
+    seed = args.seed if seed is None else seed
+    overrides = _overrides(args, control, seed)
     cfg = load_config(args.config, overrides)
     torch.set_num_threads(args.threads)
+    torch.manual_seed(cfg.log.seed)  # as recipes.colocated.train
     t0 = time.perf_counter()
-    history = train(cfg, write_files=False)
+    state = setup(cfg)
+    shown = state.prompts[:: max(1, len(state.prompts) // 16)][:16]
+    before = _ode_samples(state.model, shown, 12345, cfg.rollout.num_steps) if grids else None
+    history = [iteration(state, it)[0] for it in range(cfg.train.iterations)]
+    after = _ode_samples(state.model, shown, 12345, cfg.rollout.num_steps) if grids else None
     wall = time.perf_counter() - t0
     curve = [h["reward_mean"] for h in history]
-    return {
+    out = {
         "reward": args.reward,
-        "control": args.control,
+        "control": control,
         "iters": args.iters,
-        "seed": args.seed,
+        "seed": seed,
         "overrides": overrides,
         "curve": curve,
         "summary": window_stats(curve),
@@ -86,19 +116,92 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "history": history,
         "config": cfg.to_dict(),
     }
+    if grids:
+        out["grids"] = {"before": before, "after": after, "prompts": shown}
+    return out
+
+
+def figures(args: argparse.Namespace) -> dict[str, Any]:
+    """The README's pictures: the reward curve of Flow-GRPO and its two controls, and the samples before/after.
+
+    Writes ``learning-curve.png`` and ``learning-samples.png`` (and ``learning.json``, the curves) to
+    ``args.figures``.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import torch
+    from PIL import Image
+
+    out_dir: Path = args.figures
+    out_dir.mkdir(parents=True, exist_ok=True)
+    results = {c: run(args, control=c, grids=(c == "none")) for c in ("none", "shuffled", "negated")}
+    fig, ax = plt.subplots(figsize=(6, 3.4), dpi=100)
+    labels = {"none": "Flow-GRPO", "shuffled": "control: advantages shuffled", "negated": "control: advantages negated"}
+    for c, r in results.items():
+        s = r["summary"]
+        ax.plot(r["curve"], label=f"{labels[c]} ({s['gain']:+.3f})", lw=1.6)
+    ax.set_xlabel("iteration")
+    ax.set_ylabel(f"mean {args.reward} reward")
+    ax.set_title(f"tiny Qwen-Image (pretrained on shapes), seed {args.seed}", fontsize=10)
+    ax.legend(fontsize=8, loc="lower left")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out_dir / "learning-curve.png")
+    plt.close(fig)
+
+    g = results["none"].pop("grids")
+    scale, pad = 3, 6
+
+    def tile(images: torch.Tensor) -> Image.Image:
+        n, _, h, w = images.shape
+        cols = 8
+        rows = (n + cols - 1) // cols
+        grid = torch.ones(3, rows * h, cols * w)
+        for k in range(n):
+            r, c = divmod(k, cols)
+            grid[:, r * h:(r + 1) * h, c * w:(c + 1) * w] = images[k]
+        arr = (grid.clamp(0, 1) * 255).round().to(torch.uint8).permute(1, 2, 0).numpy()
+        im = Image.fromarray(arr)
+        return im.resize((im.width * scale, im.height * scale), Image.NEAREST)
+
+    a, b = tile(g["before"]), tile(g["after"])
+    fig, axes = plt.subplots(2, 1, figsize=(a.width / 100 + 0.2, (a.height + b.height) / 100 + 0.8), dpi=100)
+    for ax, im, title in ((axes[0], a, "iteration 0"), (axes[1], b, f"after {args.iters} iterations")):
+        ax.imshow(im)
+        ax.set_title(title, fontsize=9)
+        ax.axis("off")
+    fig.tight_layout(pad=0.3)
+    fig.savefig(out_dir / "learning-samples.png")
+    plt.close(fig)
+    (out_dir / "learning-samples.txt").write_text("\n".join(g["prompts"]) + "\n")
+    summary = {c: {"summary": r["summary"], "curve": r["curve"]} for c, r in results.items()}
+    return summary
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default=str(ROOT / "configs" / "tiny-qwenimage.toml"))
     ap.add_argument("--iters", type=int, default=60)
-    ap.add_argument("--reward", default="color", choices=["color", "shapes", "jpeg_compressibility", "jpeg_incompressibility", "ocr"])
+    ap.add_argument("--reward", default="shapes", choices=["color", "shapes", "jpeg_compressibility", "jpeg_incompressibility", "ocr"])
     ap.add_argument("--control", default="none", choices=["none", "shuffled", "negated"])
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--set", action="append", default=[], help="extra config override, e.g. train.lr=3e-2")
     ap.add_argument("--json", type=Path, default=None, help="write the result here")
+    ap.add_argument("--figures", type=Path, default=None,
+                    help="run Flow-GRPO and both controls and write the README's figures to this folder")
     args = ap.parse_args()
+    if args.figures is not None:
+        summary = figures(args)
+        for c, r in summary.items():
+            s = r["summary"]
+            print(f"{c:9s} first {s['first']:.4f} last {s['last']:.4f} gain {s['gain']:+.4f} (z {s['gain_in_noise']:+.1f})")
+        if args.json:
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps(summary, indent=1))
+        return
     result = run(args)
 
     from rich.console import Console

@@ -107,6 +107,9 @@ class ModelConfig:
     # "signal": re-draw a random preset's VAE decoder convs (He init) so pixels depend on the latent;
     # see digenrl/models/_toy.py. Never applies to pretrained weights.
     vae_init: str = "default"
+    # A checkpoint of the random preset's pipeline to start from (bench/pretrain_tiny.py writes one;
+    # relative paths resolve from the working directory, else the checkout); "" = the random preset.
+    init: str = ""
     # The frozen text encoder runs once per prompt (embeddings are cached); true moves it to the CPU
     # between uses (its GPU memory goes to activations). Trainers never encode: they free it always.
     offload_text_encoder: bool = True
@@ -121,6 +124,10 @@ class ModelConfig:
         _check("model.vae_init", self.vae_init == "default" or self.preset != "pretrained",
                "'default' for pretrained weights", self.vae_init)
 
+        _check("model.init", not self.init or self.preset != "pretrained", "'' for preset 'pretrained' (use model.path)",
+               self.init)
+        _check("model.vae_init", not self.init or self.vae_init == "default",
+               "'default' with model.init (the checkpoint has trained weights)", self.vae_init)
         _choice("model.name", self.name, MODEL_NAMES)
         _choice("model.preset", self.preset, PRESETS)
         _check("model.path", self.preset != "pretrained" or bool(self.path), "set for preset 'pretrained'", self.path)

@@ -21,6 +21,7 @@ import torch
 from digenrl.config import Config
 from digenrl.models import GeneratorModel, load_model
 from digenrl.models._toy import toy_signal_init
+from digenrl.models.init import load_init
 from digenrl.models.lora import apply_lora, enable_full_finetune
 
 __all__ = ["build_model", "trained_steps", "prepare_for_training", "prepare_for_generation", "text_encoders"]
@@ -43,6 +44,8 @@ def _build_model(cfg: Config) -> tuple[GeneratorModel, list[torch.nn.Parameter]]
                        resolution=(m.resolution[0], m.resolution[1]),
                        num_frames=m.num_frames if m.name in ("wan21", "hunyuanvideo") else None,
                        guidance_scale=m.guidance_scale, text_len=m.text_len or None)
+    if m.init:  # a pretrained checkpoint of the random preset (the default: the tiny model that draws shapes)
+        load_init(model, m.init)
     if m.vae_init == "signal":  # random toy presets: make pixels depend on the latent and the prompt
         toy_signal_init(model, seed=m.seed + 3)
     if m.finetune == "lora":

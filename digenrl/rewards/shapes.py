@@ -10,14 +10,19 @@ small, deterministic image analysis, no learned model:
   shape of the dataset covers (5% of the image). A shape anywhere inside counts; a shape-coloured
   background does not (it is no figure on a ground), so a colour-swapped image scores ~0, not 0.5.
 
+* form: the figure mask (those pixel weights over the whole image) against the named shape drawn with
+  the mask's own area and centroid (anti-aliased by signed distance), as a soft IoU: 1 for the named
+  shape, ~0.83 for a circle asked to be a square, lower for blobs and fragments.
+
 Closeness is ``1 - min(||p - c|| / 1.0, 1)`` in RGB: 0 at the distance between two palette colours
 (>= 0.8; the ``color`` reward's ``/ sqrt(3)`` leaves a wrong colour 0.4-0.5), so a muddy or wrong colour
-scores low and the reward spans [0, 1] on these images. The score is the mean of the two parts. The same
+scores low and the reward spans [0, 1] on these images. The score is the mean of the three parts. The same
 picture scores differently for different prompts, so the policy has to read the prompt.
 """
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Sequence
 
@@ -47,6 +52,37 @@ def parse_shape_prompt(prompt: str) -> tuple[tuple[float, float, float], str, tu
         raise RewardError(f"shapes: prompt {prompt!r} is not 'a <colour> <shape> on a <colour> background' "
                           f"(colours: {', '.join(COLORS)})")
     return COLORS[m.group(1).lower()], m.group(2).lower(), COLORS[m.group(3).lower()]
+
+
+def _template(shape: str, area: torch.Tensor, cx: torch.Tensor, cy: torch.Tensor, h: int, w: int) -> torch.Tensor:
+    """Coverage ``[N, h, w]`` of ``shape`` with ``area`` (pixels) centred at ``(cx, cy)`` (pixel units)."""
+    ys, xs = torch.meshgrid(torch.arange(h) + 0.5, torch.arange(w) + 0.5, indexing="ij")
+    dx, dy = xs - cx.view(-1, 1, 1), ys - cy.view(-1, 1, 1)
+    area = area.view(-1, 1, 1)
+    if shape == "circle":
+        sd = torch.sqrt(dx * dx + dy * dy) - torch.sqrt(area / math.pi)
+    elif shape == "square":
+        sd = torch.maximum(dx.abs(), dy.abs()) - torch.sqrt(area) / 2
+    else:  # an upright equilateral triangle with that area: circumradius R, edges at R/2 from the centre
+        r = torch.sqrt(area * 4 / (3 * math.sqrt(3)))
+        sd = torch.stack([dx * math.cos(a) + dy * math.sin(a) for a in (math.pi / 2, 7 * math.pi / 6, 11 * math.pi / 6)])
+        sd = sd.amax(dim=0) - r / 2
+    return (0.5 - sd).clamp(0.0, 1.0)
+
+
+def _form(mask: torch.Tensor, shapes: list[str]) -> torch.Tensor:
+    """Soft IoU of each figure ``mask [N, h, w]`` with its named shape of the same area and centroid."""
+    n, h, w = mask.shape
+    ys, xs = torch.meshgrid(torch.arange(h) + 0.5, torch.arange(w) + 0.5, indexing="ij")
+    area = mask.sum(dim=(1, 2)).clamp(min=1e-6)
+    cx, cy = (mask * xs).sum(dim=(1, 2)) / area, (mask * ys).sum(dim=(1, 2)) / area
+    out = torch.zeros(n)
+    for shape in set(shapes):
+        rows = torch.tensor([k for k, s in enumerate(shapes) if s == shape])
+        t = _template(shape, area[rows], cx[rows], cy[rows], h, w)
+        m = mask[rows]
+        out[rows] = torch.minimum(m, t).sum(dim=(1, 2)) / (torch.maximum(m, t).sum(dim=(1, 2)) + 1e-6)
+    return out
 
 
 def _closeness(pixels: torch.Tensor, color: torch.Tensor) -> torch.Tensor:
@@ -79,9 +115,10 @@ class ShapesReward:
         band[mh:h - mh, mw:w - mw] = False
         bg_score = _closeness(frames, bg)[:, band].mean(dim=1)
         margin_color = frames[:, :, band].mean(dim=2)
-        core = frames[:, :, mh:h - mh, mw:w - mw]
-        apart = (torch.linalg.vector_norm(core - margin_color[:, :, None, None], dim=1) / _APART).clamp(max=1.0)
-        inner = (_closeness(core, fg) * apart).reshape(n, -1)
+        apart = (torch.linalg.vector_norm(frames - margin_color[:, :, None, None], dim=1) / _APART).clamp(max=1.0)
+        figure = _closeness(frames, fg) * apart  # [N, h, w]: how much each pixel is a shape-coloured figure
+        inner = figure[:, mh:h - mh, mw:w - mw].reshape(n, -1)
         k = max(1, round(_SHAPE_AREA * h * w))
         fg_score = inner.topk(k, dim=1).values.mean(dim=1)
-        return (0.5 * (bg_score + fg_score)).reshape(-1, f).mean(dim=1)
+        form = _form(figure, [s for p in parsed for s in [p[1]] * f])
+        return ((bg_score + fg_score + form) / 3).reshape(-1, f).mean(dim=1)

@@ -38,7 +38,9 @@ def test_run_command_writes_metrics_grids_and_weights(tmp_path: Path) -> None:
 
 def _prompt_spread_ratio(vae_init: str) -> float:
     """Velocity spread across the colour prompts (same latent) / spread across latents (same prompt)."""
-    run = setup(load_config(TINY, [f"model.vae_init={vae_init}", "placement.threads=1"]))
+    # the random preset (model.init cleared), with the colour prompts this init was measured on
+    run = setup(load_config(TINY, ["model.init=''", f"model.vae_init={vae_init}", "placement.threads=1",
+                                   "data.prompt_set=color"]))
     m, n = run.model, len(run.prompts)
     cond = m.encode_prompts(run.prompts)
     one = {k: v[:1].expand(n, *v.shape[1:]) for k, v in cond.items()}
@@ -58,11 +60,11 @@ def test_toy_signal_init_makes_the_tiny_model_read_its_prompt() -> None:
 
 
 def _curve(control: str, iters: int) -> list[float]:
-    # lr 3e-2 (1.5x the shipped config) so the direction shows within a few iterations; 64 samples each.
+    # lr 4e-3 (~3x the shipped config) so the direction shows within a few iterations; 64 samples each.
     # Settings pinned here (not inherited from the shipped config) so the measured margin stays valid.
     cfg = load_config(TINY, [f"train.iterations={iters}", f"train.control={control}", "placement.threads=1",
-                             "train.lr=3e-2", "rollout.group_size=8", "rollout.prompts_per_batch=8",
-                             "rollout.noise_level=0.7"])
+                             "train.lr=4e-3", "rollout.group_size=8", "rollout.prompts_per_batch=8",
+                             "rollout.noise_level=0.7", "train.kl_beta=0.0"])
     return [h["reward_mean"] for h in train(cfg, write_files=False)]
 
 
@@ -72,7 +74,7 @@ def test_short_learning_run_goes_the_right_way() -> None:
     up = _curve("none", iters)
     down = _curve("negated", iters)
     assert up[0] == pytest.approx(down[0])  # identical start: the difference is the update's sign
-    assert sum(up[-3:]) / 3 > sum(down[-3:]) / 3 + 0.006  # measured: 0.4653 vs 0.4507
+    assert sum(up[-3:]) / 3 > sum(down[-3:]) / 3 + 0.1  # measured (shapes, pretrained init): 0.819 vs 0.420
     assert all(torch.isfinite(torch.tensor(up + down)))
 
 

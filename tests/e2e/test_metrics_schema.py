@@ -25,11 +25,11 @@ async def test_colocated_and_async1_lines_carry_the_same_keys() -> None:
     actors = await arun_disaggregated(load_config(CONFIG, [*SMALL, "schedule.name=async1", "transport.actors=inproc",
                                                            "train.check_parity=true"]), write_files=False)
     assert [set(m) for m in colocated] == [set(m) for m in actors]
-    assert set(METRIC_KEYS) | {"reward/color"} == set(colocated[0])
+    assert set(METRIC_KEYS) | {"reward/shapes"} == set(colocated[0])
     for line in (*colocated, *actors):
         assert line["version"] == line["step"] + 1
         assert line["rows_trained"] == 4 * 8 * 1 and line["reward_failures"] == 0  # prompts x group x window
-        assert line["reward/color"] == pytest.approx(line["reward_mean"], rel=1e-6)  # one component, weight 1
+        assert line["reward/shapes"] == pytest.approx(line["reward_mean"], rel=1e-6)  # one component, weight 1
         assert all(math.isfinite(line[k]) and line[k] >= 0 for k in ("t_rollout", "t_decode", "t_reward", "t_train"))
         assert line["t_rollout"] > 0 and line["t_decode"] > 0 and line["t_train"] > 0
         assert 0.0 <= line["bubble_ratio"]["overall"] <= 1.0

@@ -97,3 +97,13 @@ def test_bad_prompts_and_images_are_named() -> None:
         reward.score(torch.zeros(1, 3, 8, 8), ["a red circle on a blue background"])
     img, _ = shapes_item(0, 0)
     assert img.shape == (3, 32, 32)
+
+
+def test_the_named_shape_beats_the_other_shapes() -> None:
+    """Same colours, same box: the form term prefers the shape the prompt names (a square's circle is closest)."""
+    reward = make_reward("shapes")
+    imgs = torch.stack([drawn(s, "white", "black", box=(8, 8, 23, 23)) for s in ("circle", "square", "triangle")])
+    for k, asked in enumerate(("circle", "square", "triangle")):
+        s = reward.score(imgs, [f"a white {asked} on a black background"] * 3)
+        assert int(s.argmax()) == k, (asked, s)
+        assert float(s[k]) > float(s.topk(2).values[1]) + 0.02, (asked, s)  # measured gaps 0.05-0.1
