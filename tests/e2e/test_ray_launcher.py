@@ -30,7 +30,7 @@ from digenrl.recipes.ray_launcher import host_actor_name  # noqa: E402
 CONFIG = Path(__file__).resolve().parents[2] / "configs" / "tiny-qwenimage.toml"
 ROWS = 8 * 8 * 1  # prompts x group x trained steps of one logical batch
 # The numbers a run computes (timings, bubbles and throughput aside).
-KEYS = ("step", "version", "reward_mean", "reward_std", "reward/color", "adv_abs_mean", "clipfrac", "approx_kl", "kl",
+KEYS = ("step", "version", "reward_mean", "reward_std", "reward/shapes", "adv_abs_mean", "clipfrac", "approx_kl", "kl",
         "zero_std_ratio", "grad_norm", "policy_loss", "ratio", "max_staleness", "rows_trained", "parity_ratio")
 ROLES = ("digenrl-rollout-0", "digenrl-trainer-0")
 

@@ -77,7 +77,8 @@ async def test_an_occasional_failure_is_penalised_and_the_run_goes_on(tmp_path: 
     # each batch's 64 samples) every batch, a quarter of the samples, under the default budget of a half.
     prompts = [f"a {c} square" for c in ("red", "green", "blue", "yellow", "white", "black", "purple")]
     cfg = _load("schedule.name=async1", "train.iterations=3", "rollout.prompts_per_batch=8", "transport.actors=inproc",
-                f"data.prompts={[*prompts, 'a plain square']!r}".replace("'", '"'), 'reward.on_error="penalty"')
+                f"data.prompts={[*prompts, 'a plain square']!r}".replace("'", '"'), 'reward.on_error="penalty"',
+                "reward.weights={color = 1.0}")
     history = await arun_disaggregated(cfg, tmp_path)
     assert [m["step"] for m in history] == [0, 1, 2]
     assert [m["reward_failures"] for m in history] == [16, 16, 16]
