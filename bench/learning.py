@@ -1,31 +1,31 @@
 """Learning benchmark: does the colocated Flow-GRPO loop raise the reward of the tiny Qwen-Image?
 
-    python bench/learning.py --iters 60 --json runs/learning-color.json
-    python bench/learning.py --iters 60 --control shuffled --json runs/learning-color-shuffled.json
-    python bench/learning.py --iters 60 --reward jpeg_compressibility --json runs/learning-jpeg.json
+    python bench/learning.py --iters 60 --json runs/learning.json
+    python bench/learning.py --iters 60 --control shuffled --json runs/learning-shuffled.json
+    python bench/learning.py --figures docs/          # the README's figures: 3 seeds x (Flow-GRPO + 2 controls)
 
-It runs ``configs/tiny-qwenimage.toml`` (or ``--config``) on CPU for ``--iters`` iterations with the
-chosen reward and records the per-iteration reward curve. The criterion is the mean reward of the
-last 5 iterations minus the first 5 (``gain``), and ``gain_in_noise`` = gain / the standard error of that
-difference (from the spread of the iterations inside each window). The negative control
-``--control shuffled`` permutes the advantages across samples each iteration, which keeps the update
-statistics (and the LoRA's growth) but breaks the link to the reward, so its curve should stay flat;
-``--control negated`` flips their sign, so its curve should fall. Prints a rich table; writes JSON.
+It runs ``configs/tiny-qwenimage.toml`` (or ``--config``: the tiny Qwen-Image pretrained on shapes,
+``shapes`` reward) colocated on CPU for ``--iters`` iterations and records two curves:
 
-Measured (2-core CPU, two runs at a time with one thread each; 32 px, SDE and training at the first step
-only, lr 2e-2; gain = last 5 - first 5, z = gain / its standard error; 60 iterations):
+* ``eval``: every ``--eval-every`` iterations, the mean reward of ODE samples of *every* prompt of the set
+  from the *same* initial noise, a function of the weights alone; ``eval_gain`` = end - start. This is
+  the criterion.
+* ``curve``: the mean reward of each training batch, with ``gain`` = mean of the last 5 minus the first
+  5 and ``gain_in_noise`` = gain / its standard error. It mixes in which prompts each batch drew (32 of
+  168, the same draw in every run of a seed): a run with lr 1e-12 "gained" +0.011 (seed 0, 40 its).
 
-* color, the shipped 32 prompts x 8 samples per iteration (~160 s per run): seed 0 0.451 -> 0.499 (+0.048,
-  z 61), seed 1 0.452 -> 0.495 (+0.043, z 100), seed 2 0.450 -> 0.469 (+0.019, z 12; it had reached
-  +0.033 by iteration 35, then fell back); shuffled control (seed 0) +0.006.
-* color, 16 prompts x 8 (~80 s per run): +0.035 (z 12), +0.029 (z 22), +0.031 (z 26) for seeds 0/1/2;
-  shuffled controls +0.002, +0.009, +0.009. Every seed gains 3-15x its control. Direct gradient ascent
-  through the sampler reaches ~+0.15, so RL is far from the ceiling.
-* jpeg_compressibility (16 x 8): JPEG size 3.2 -> 2.5 kB (-22%); shuffled control 3.2 -> 3.2 kB.
-* What made the colour reward learnable (it was not beyond its control at 64 px with SDE on every step):
-  fewer noisy latent elements per reward (32 px: 256 instead of 1024 per step; one noisy step instead of
-  five), so the policy gradient's signal-to-noise rises (cos(batch gradient, reparameterised gradient)
-  0.015 -> 0.045), then lr 2e-2 and more samples per iteration.
+The negative control ``--control shuffled`` permutes the advantages across samples each iteration
+(same update statistics, no link to the reward), so it should stay flat; ``--control negated`` flips
+their sign, so it should fall.
+
+Why the shuffled control moved: it is a random walk of the LoRA weights (AdamW steps of ~lr per weight
+in directions with no reward information). Its effect is second order and sign-indefinite: on the old
+random-init model it happened to raise the colour reward (+0.015); on the pretrained model, which sits
+near an optimum of what it draws, it lowers the reward, and the more the longer and larger the steps
+(fixed evaluation, seed 0, no KL: -0.072 in 40 iterations at lr 1.5e-3; -0.53 on the training batches at
+lr 4e-3). Flow-GRPO's own update has the same noise but its signal corrects what the noise breaks. The
+KL to the pretrained model (``train.kl_beta``, at the trained step) holds the walk: beta 0.2 -> control
+-0.005, Flow-GRPO +0.059 (60 iterations, lr 3e-3, seed 0); beta 1 -> -0.003 / +0.027.
 """
 
 from __future__ import annotations
@@ -99,7 +99,18 @@ def run(args: argparse.Namespace, control: str | None = None, seed: int | None =
     state = setup(cfg)
     shown = state.prompts[:: max(1, len(state.prompts) // 16)][:16]
     before = _ode_samples(state.model, shown, 12345, cfg.rollout.num_steps) if grids else None
-    history = [iteration(state, it)[0] for it in range(cfg.train.iterations)]
+
+    def evaluate() -> float:
+        # every prompt of the set, the same initial noise each time: a function of the weights alone
+        images = _ode_samples(state.model, state.prompts, 777, cfg.rollout.num_steps)
+        return float(state.reward.score(images, state.prompts).mean())
+
+    evals = [(0, evaluate())]
+    history = []
+    for it in range(cfg.train.iterations):
+        history.append(iteration(state, it)[0])
+        if (it + 1) % args.eval_every == 0 or it == cfg.train.iterations - 1:
+            evals.append((it + 1, evaluate()))
     after = _ode_samples(state.model, shown, 12345, cfg.rollout.num_steps) if grids else None
     wall = time.perf_counter() - t0
     curve = [h["reward_mean"] for h in history]
@@ -111,6 +122,8 @@ def run(args: argparse.Namespace, control: str | None = None, seed: int | None =
         "overrides": overrides,
         "curve": curve,
         "summary": window_stats(curve),
+        "eval": evals,
+        "eval_gain": evals[-1][1] - evals[0][1],
         "seconds_total": wall,
         "seconds_per_iter_median": statistics.median(h["seconds"] for h in history),
         "history": history,
@@ -121,12 +134,22 @@ def run(args: argparse.Namespace, control: str | None = None, seed: int | None =
     return out
 
 
-def figures(args: argparse.Namespace) -> dict[str, Any]:
-    """The README's pictures: the reward curve of Flow-GRPO and its two controls, and the samples before/after.
+def _one(job: tuple[argparse.Namespace, str, int, bool]) -> dict[str, Any]:
+    """A worker process's run (module level, so a process pool can call it)."""
+    args, control, seed, grids = job
+    return run(args, control=control, seed=seed, grids=grids)
 
-    Writes ``learning-curve.png`` and ``learning-samples.png`` (and ``learning.json``, the curves) to
-    ``args.figures``.
+
+def figures(args: argparse.Namespace) -> dict[str, Any]:
+    """The README's pictures: the reward curves of Flow-GRPO and its two controls for ``args.seeds``, and the
+    samples before/after (the first seed's Flow-GRPO run).
+
+    Writes ``learning-curve.png``, ``learning-samples.png`` and ``learning.json`` (curves and summaries) to
+    ``args.figures``; the runs go ``args.jobs`` at a time, one process and one torch thread each.
     """
+    import multiprocessing as mp
+    from concurrent.futures import ProcessPoolExecutor
+
     import matplotlib
 
     matplotlib.use("Agg")
@@ -136,38 +159,47 @@ def figures(args: argparse.Namespace) -> dict[str, Any]:
 
     out_dir: Path = args.figures
     out_dir.mkdir(parents=True, exist_ok=True)
-    results = {c: run(args, control=c, grids=(c == "none")) for c in ("none", "shuffled", "negated")}
-    fig, ax = plt.subplots(figsize=(6, 3.4), dpi=100)
+    controls = ("none", "shuffled", "negated")
+    jobs = [(args, c, seed, c == "none" and seed == args.seeds[0]) for seed in args.seeds for c in controls]
+    with ProcessPoolExecutor(max_workers=args.jobs, mp_context=mp.get_context("spawn")) as pool:
+        results = list(pool.map(_one, jobs))
+    grids = next(r.pop("grids") for r in results if "grids" in r)
+
+    colors = {"none": "tab:blue", "shuffled": "tab:gray", "negated": "tab:red"}
     labels = {"none": "Flow-GRPO", "shuffled": "control: advantages shuffled", "negated": "control: advantages negated"}
-    for c, r in results.items():
-        s = r["summary"]
-        ax.plot(r["curve"], label=f"{labels[c]} ({s['gain']:+.3f})", lw=1.6)
-    ax.set_xlabel("iteration")
-    ax.set_ylabel(f"mean {args.reward} reward")
-    ax.set_title(f"tiny Qwen-Image (pretrained on shapes), seed {args.seed}", fontsize=10)
-    ax.legend(fontsize=8, loc="lower left")
-    ax.grid(alpha=0.3)
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6), dpi=100)
+    for r in results:
+        c, first = r["control"], r["seed"] == args.seeds[0]
+        it, val = zip(*r["eval"], strict=True)
+        axes[0].plot(it, val, color=colors[c], marker="o", ms=3, lw=1.5, label=labels[c] if first else None)
+        axes[1].plot(r["curve"], color=colors[c], lw=0.8, alpha=0.8, label=labels[c] if first else None)
+    axes[0].set_title("fixed evaluation: every prompt, same noise (ODE)", fontsize=9)
+    axes[1].set_title("training batches (32 prompts x 8 per iteration)", fontsize=9)
+    for ax in axes:
+        ax.set_xlabel("iteration")
+        ax.set_ylabel(f"mean {args.reward} reward")
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8, loc="lower left")
+    fig.suptitle(f"tiny Qwen-Image pretrained on shapes, Flow-GRPO on CPU; seeds {', '.join(map(str, args.seeds))}",
+                 fontsize=10)
     fig.tight_layout()
     fig.savefig(out_dir / "learning-curve.png")
     plt.close(fig)
 
-    g = results["none"].pop("grids")
-    scale, pad = 3, 6
-
-    def tile(images: torch.Tensor) -> Image.Image:
+    def tile(images: torch.Tensor, scale: int = 3) -> Image.Image:
         n, _, h, w = images.shape
         cols = 8
         rows = (n + cols - 1) // cols
-        grid = torch.ones(3, rows * h, cols * w)
+        grid = torch.ones(3, rows * (h + 1), cols * (w + 1))
         for k in range(n):
             r, c = divmod(k, cols)
-            grid[:, r * h:(r + 1) * h, c * w:(c + 1) * w] = images[k]
+            grid[:, r * (h + 1):r * (h + 1) + h, c * (w + 1):c * (w + 1) + w] = images[k]
         arr = (grid.clamp(0, 1) * 255).round().to(torch.uint8).permute(1, 2, 0).numpy()
         im = Image.fromarray(arr)
         return im.resize((im.width * scale, im.height * scale), Image.NEAREST)
 
-    a, b = tile(g["before"]), tile(g["after"])
-    fig, axes = plt.subplots(2, 1, figsize=(a.width / 100 + 0.2, (a.height + b.height) / 100 + 0.8), dpi=100)
+    a, b = tile(grids["before"]), tile(grids["after"])
+    fig, axes = plt.subplots(1, 2, figsize=(2 * a.width / 100 + 0.4, a.height / 100 + 0.5), dpi=100)
     for ax, im, title in ((axes[0], a, "iteration 0"), (axes[1], b, f"after {args.iters} iterations")):
         ax.imshow(im)
         ax.set_title(title, fontsize=9)
@@ -175,8 +207,10 @@ def figures(args: argparse.Namespace) -> dict[str, Any]:
     fig.tight_layout(pad=0.3)
     fig.savefig(out_dir / "learning-samples.png")
     plt.close(fig)
-    (out_dir / "learning-samples.txt").write_text("\n".join(g["prompts"]) + "\n")
-    summary = {c: {"summary": r["summary"], "curve": r["curve"]} for c, r in results.items()}
+    summary = {"prompts_shown": grids["prompts"], "runs": [
+        {k: r[k] for k in ("control", "seed", "summary", "eval", "eval_gain", "curve", "overrides", "seconds_total")}
+        for r in results]}
+    (out_dir / "learning.json").write_text(json.dumps(summary, indent=1) + "\n")
     return summary
 
 
@@ -187,20 +221,23 @@ def main() -> None:
     ap.add_argument("--reward", default="shapes", choices=["color", "shapes", "jpeg_compressibility", "jpeg_incompressibility", "ocr"])
     ap.add_argument("--control", default="none", choices=["none", "shuffled", "negated"])
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=None, help="torch threads per run (default 2; 1 with --figures)")
     ap.add_argument("--set", action="append", default=[], help="extra config override, e.g. train.lr=3e-2")
     ap.add_argument("--json", type=Path, default=None, help="write the result here")
+    ap.add_argument("--eval-every", type=int, default=10, help="evaluate on the fixed set every this many iterations")
     ap.add_argument("--figures", type=Path, default=None,
-                    help="run Flow-GRPO and both controls and write the README's figures to this folder")
+                    help="run Flow-GRPO and both controls for --seeds and write the README's figures to this folder")
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="with --figures")
+    ap.add_argument("--jobs", type=int, default=2, help="with --figures: runs at a time (one thread each)")
     args = ap.parse_args()
+    if args.threads is None:
+        args.threads = 1 if args.figures is not None else 2
     if args.figures is not None:
         summary = figures(args)
-        for c, r in summary.items():
-            s = r["summary"]
-            print(f"{c:9s} first {s['first']:.4f} last {s['last']:.4f} gain {s['gain']:+.4f} (z {s['gain_in_noise']:+.1f})")
-        if args.json:
-            args.json.parent.mkdir(parents=True, exist_ok=True)
-            args.json.write_text(json.dumps(summary, indent=1))
+        for r in summary["runs"]:
+            s, e = r["summary"], r["eval"]
+            print(f"seed {r['seed']} {r['control']:9s} eval {e[0][1]:.4f} -> {e[-1][1]:.4f} ({r['eval_gain']:+.4f})   "
+                  f"training batches: gain {s['gain']:+.4f} (z {s['gain_in_noise']:+.1f})")
         return
     result = run(args)
 
@@ -208,10 +245,13 @@ def main() -> None:
     from rich.table import Table
 
     s = result["summary"]
+    e = result["eval"]
     table = Table(title=f"learning: {args.reward}, control={args.control}, {args.iters} iterations")
-    for col in ("first 5", "last 5", "gain", "gain / s.e.", "s/iter (median)", "total s"):
+    for col in ("eval start", "eval end", "eval gain", "batches: first 5", "last 5", "gain", "gain / s.e.",
+                "s/iter (median)", "total s"):
         table.add_column(col, justify="right")
-    table.add_row(f"{s['first']:.4f}", f"{s['last']:.4f}", f"{s['gain']:+.4f}", f"{s['gain_in_noise']:+.1f}",
+    table.add_row(f"{e[0][1]:.4f}", f"{e[-1][1]:.4f}", f"{result['eval_gain']:+.4f}", f"{s['first']:.4f}",
+                  f"{s['last']:.4f}", f"{s['gain']:+.4f}", f"{s['gain_in_noise']:+.1f}",
                   f"{result['seconds_per_iter_median']:.2f}", f"{result['seconds_total']:.1f}")
     Console().print(table)
     if args.json:
