@@ -17,7 +17,8 @@ _EPILOG = examples(
 
 Host checks always run (a few seconds): versions, cores, RAM, /dev/shm, the host lanes' bandwidth
 over a memcpy of the same bytes, and the header round trip between two processes on each event
-loop over raw synchronous pyzmq. With CUDA devices the GPU checks follow (devices, P2P, NCCL and
+loop over raw synchronous pyzmq, and rollout/train parity (trainer log-probs recomputed with the
+sampling weights vs the rollout's) of two tiny fp32 CPU runs, colocated and async1. With CUDA devices the GPU checks follow (devices, P2P, NCCL and
 CUDA IPC bandwidth, a tiny bf16 run under colocated and async1, rollout/train parity); without
 them the report lists what it skipped. Exit code 1 only when something stops digenrl from running.
 """

@@ -1,10 +1,12 @@
 """``digenrl doctor``: can this machine run digenrl, and how fast are its links?
 
-:func:`diagnose` returns one JSON-friendly report with two sections:
+:func:`diagnose` returns one JSON-friendly report with three sections:
 
 * ``host`` (always, a few seconds): versions of the stack, cores, RAM, ``/dev/shm``, the host
   lanes' bandwidth beside a memcpy of the same bytes (:mod:`digenrl.doctor.host`) and the header
   round trip between two processes on each event loop beside raw synchronous pyzmq.
+* ``cpu_parity`` (always, a few seconds; :mod:`digenrl.doctor.parity`): rollout/train parity of two
+  tiny fp32 CPU runs (``colocated``, ``async1``), from their ``parity_*`` metrics.
 * ``gpu`` (only with CUDA devices; :mod:`digenrl.doctor.gpu`): devices, the P2P matrix, NCCL
   broadcast and CUDA IPC bandwidth beside a device-to-device copy, a tiny bf16 run under
   ``colocated`` and ``async1``, and rollout/train parity at the first update. Without a GPU the
@@ -26,10 +28,11 @@ def diagnose(*, gpu: bool = True) -> dict[str, Any]:
     Args:
         gpu: also run the GPU checks when CUDA devices are present.
     """
-    from digenrl.doctor import host
+    from digenrl.doctor import host, parity
     from digenrl.doctor import gpu as gpu_checks
 
-    report: dict[str, Any] = {"host": host.check_host()}
+    report: dict[str, Any] = {"host": host.check_host(), "cpu_parity": parity.cpu_parity()}
     report["gpu"] = gpu_checks.check_gpu() if gpu else {"skipped": ["GPU checks (--no-gpu)"]}
-    report["problems"] = host.problems(report["host"]) + gpu_checks.problems(report["gpu"])
+    report["problems"] = (host.problems(report["host"]) + parity.problems(report["cpu_parity"])
+                          + gpu_checks.problems(report["gpu"]))
     return report

@@ -31,6 +31,11 @@ def _sections(report: dict[str, Any]) -> list[tuple[str, list[str], list[list[st
         ("event loops (header round trip to another process)", ["loop", "digenrl zmq", "raw sync pyzmq", "ratio"],
          [[r["loop"], f"{r['rtt_us']:.0f} µs", f"{r['raw_pyzmq_rtt_us']:.0f} µs", f"{r['vs_raw']:.2f}x"]
           for r in host["event_loops"]]),
+        ("rollout/train parity (tiny fp32 CPU runs, trainer recompute vs rollout, before each update)",
+         ["schedule", "rows", "mean ratio", "max |ratio-1|", "max |Δlog-prob|", "wall"],
+         [[r["schedule"], "error", r["error"][:60], "", "", ""] if "error" in r else
+          [r["schedule"], str(r["rows"]), _num(r["ratio"], ".6f"), _num(r["ratio_dev_max"], ".1e"),
+           _num(r["logp_diff_max"], ".1e"), f"{r['wall_s']:.1f} s"] for r in report.get("cpu_parity", [])]),
     ]
     if not gpu.get("available"):
         why = gpu.get("reason", "not requested")
@@ -43,6 +48,10 @@ def _sections(report: dict[str, Any]) -> list[tuple[str, list[str], list[list[st
         rows.append([name, str(value.get("error")) if isinstance(value, dict) and "error" in value else _short(value)])
     out.append((f"gpu ({gpu['count']} devices)", ["check", "result"], rows))
     return out
+
+
+def _num(value: float | None, fmt: str) -> str:
+    return "-" if value is None else format(value, fmt)
 
 
 def _short(value: Any, limit: int = 300) -> str:

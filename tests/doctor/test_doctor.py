@@ -42,6 +42,13 @@ def test_doctor_reports_this_machine(tmp_path: Path) -> None:
     assert set(loops) == {"uvloop", "asyncio"}
     for r in loops.values():
         assert 0 < r["raw_pyzmq_rtt_us"] < 1e6 and r["vs_raw"] == pytest.approx(r["rtt_us"] / r["raw_pyzmq_rtt_us"])
+    # Parity of two tiny CPU runs, from their parity_* metrics: every step measured, ratio 1.
+    parity = {r["schedule"]: r for r in report["cpu_parity"]}
+    assert set(parity) == {"colocated", "async1"} and "rollout/train parity" in result.output
+    for r in parity.values():
+        assert r["steps"] == 2 and r["rows"] > 0 and r["dtype"] == "float32"
+        assert abs(r["ratio"] - 1) <= r["ratio_dev_max"] + 1e-12 and r["ratio_dev_max"] <= r["tolerance"]
+        assert 0 <= r["logp_diff_max"] <= r["tolerance"]
     if not torch.cuda.is_available():
         assert report["gpu"]["available"] is False
         assert report["gpu"]["skipped"] == list(gpu_checks.SKIPPED_WITHOUT_GPU)
@@ -67,3 +74,15 @@ def test_gpu_checklist_passes() -> None:
     assert report["parity"]["ok"] is True
     for run in report["tiny_runs"]:
         assert run["samples_per_s"] > 0 and all(v > 0 for v in run["peak_memory_bytes"].values())
+
+
+def test_cpu_parity_problems_name_the_run_and_the_tolerance() -> None:
+    from digenrl.doctor import parity
+
+    good = {"schedule": "colocated", "rows": 96, "ratio": 1.0, "ratio_dev_max": 1.2e-7, "logp_diff_max": 1.2e-7,
+            "tolerance": 1e-3}
+    off = {**good, "schedule": "async1", "ratio_dev_max": 2e-3}
+    assert parity.problems([good]) == []
+    assert parity.problems([good, off, {"schedule": "tag", "error": "RemoteError: boom"}]) == [
+        "rollout/train parity on CPU (async1): max |ratio - 1| 0.002, max |dlog-prob| 1.2e-07 > "
+        "train.parity_tolerance 0.001", "tiny CPU tag run failed: RemoteError: boom"]
