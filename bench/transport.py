@@ -11,7 +11,11 @@ each row an in-process memcpy (``dst.copy_(src)`` into a warm buffer) of the sam
 the same run; ratio = gbps / memcpy_gbps. zmq and gloo use two processes (echo/sink in a child);
 inproc runs both ends on one event loop. Medians over the iterations; 1 torch thread per process.
 A ``raw-pyzmq-sync-ipc`` row (bare sync pyzmq echo, no digenrl) gives the machine's floor for
-round trips in the same run, so latency can be judged under contention.
+round trips in the same run, so latency can be judged under contention. ``loop-floor/<loop>`` is the
+floor of any event-loop design: bare pyzmq on both sides driven by the loop (a reader callback on
+``ZMQ_FD`` echoes in the child, the parent awaits a future the callback resolves), no digenrl code,
+interleaved with the raw sync round trip like the zmq rows; digenrl's zmq rows over it are what
+digenrl itself costs.
 zmq runs with its defaults, so on one host the large tensors take the shared-memory lane
 (``--no-shm`` measures the chunked-frame path instead).
 """
@@ -49,6 +53,29 @@ print("READY", flush=True)
 while (m := s.recv_multipart(copy=False))[0].bytes != b"stop":
     s.send_multipart(m, copy=False)
 s.close(linger=0)
+"""
+
+
+# The event-loop floor's child: a bare ROUTER echoing from a reader callback on ZMQ_FD.
+_LOOP_ECHO = """
+import asyncio, sys, zmq
+from digenrl.actors.loop import run
+async def main():
+    s = zmq.Context().socket(zmq.ROUTER)
+    s.bind(sys.argv[1])
+    loop = asyncio.get_running_loop()
+    done = loop.create_future()
+    def readable():
+        while s.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            m = s.recv_multipart(copy=False)
+            if m[1].bytes == b"stop":
+                return done.set_result(None)
+            s.send_multipart(m, copy=False)
+    loop.add_reader(s.getsockopt(zmq.FD), readable)
+    print("READY", flush=True)
+    loop.call_soon(readable)
+    await done
+run(main(), sys.argv[2])
 """
 
 
@@ -237,6 +264,46 @@ async def bench_zmq(name: str, address: str, sizes: list[int], iters: int, shm: 
         child.wait(30)
 
 
+async def bench_loop_floor(address: str, iters: int, loop_name: str) -> list[dict[str, Any]]:
+    """Round trips of bare pyzmq on the event loop (both sides), interleaved with raw sync pyzmq."""
+    import zmq
+
+    child = subprocess.Popen([sys.executable, "-c", _LOOP_ECHO, address, loop_name], stdout=subprocess.PIPE, text=True)
+    assert child.stdout is not None and child.stdout.readline().startswith("READY")
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.connect(address)
+    loop = asyncio.get_running_loop()
+    replies: list[Any] = []
+    waiter: list[asyncio.Future[None]] = []
+
+    def readable() -> None:
+        while sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            replies.append(sock.recv_multipart(copy=False))
+            if waiter and not waiter[0].done():
+                waiter[0].set_result(None)
+
+    loop.add_reader(sock.getsockopt(zmq.FD), readable)
+
+    async def send(op: str, payload: Any) -> None:
+        frames = [b"h" * 16] if payload is None else [b"h" * 16, memoryview(payload["x"].numpy())]
+        sock.send_multipart(frames, copy=False)
+        readable()  # a send processes ZeroMQ's commands and may take the edge of ZMQ_FD
+        while not replies:
+            waiter[:] = [loop.create_future()]
+            await waiter[0]
+        replies.pop()
+
+    raw = RawEcho(f"ipc://{tempfile.gettempdir()}/digenrl-bench-raw-{uuid.uuid4().hex[:8]}.sock")
+    try:
+        return await measure_pair(f"loop-floor/{loop_name}", send, [], iters, raw)
+    finally:
+        raw.close()
+        loop.remove_reader(sock.getsockopt(zmq.FD))
+        sock.send_multipart([b"stop"])
+        child.wait(30)
+        sock.close(linger=0)
+
+
 def bench_gloo(sizes: list[int], iters: int) -> list[dict[str, Any]]:
     """The gloo communicator (the CPU weight lane): send/recv round trips and a one-bucket broadcast + ack."""
     from digenrl.transport.communicator import GroupHost, join_group
@@ -311,8 +378,9 @@ def print_table(rows: list[dict[str, Any]]) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--transports", default="raw-zmq,inproc,inproc-handoff,zmq-ipc,zmq-tcp,comm-gloo",
-                   help="raw-zmq is a bare-pyzmq RTT reference for the machine's current state")
+    p.add_argument("--transports", default="raw-zmq,loop-floor,inproc,inproc-handoff,zmq-ipc,zmq-tcp,comm-gloo",
+                   help="raw-zmq is a bare-pyzmq RTT reference for the machine's current state; loop-floor "
+                        "the same echo driven by each event loop without digenrl")
     p.add_argument("--loops", default="uvloop,asyncio",
                    help="event loops for the zmq rows (each side of the pair runs the same kind)")
     p.add_argument("--sizes-mib", default="1,16,64")
@@ -334,6 +402,10 @@ def main() -> None:
     for name in args.transports.split(","):
         if name == "raw-zmq":
             rows += bench_raw(f"ipc://{tmp}/digenrl-bench-raw-{uuid.uuid4().hex[:8]}.sock", args.iters)
+        elif name == "loop-floor":
+            for loop in args.loops.split(","):
+                rows += run_loop(bench_loop_floor(f"ipc://{tmp}/digenrl-bench-floor-{uuid.uuid4().hex[:8]}.sock",
+                                                  args.iters, loop), loop)
         elif name in ("inproc", "inproc-handoff"):
             rows += run_loop(bench_inproc(name, sizes, args.iters, copy=name == "inproc"), args.loops.split(",")[0])
         elif name in ("zmq-ipc", "zmq-tcp"):
