@@ -708,7 +708,9 @@ def check_runnable(cfg: Config) -> None:
     """
     import torch
 
-    if cfg.model.device.startswith("cuda") and not torch.cuda.is_available():
+    # Ray places every actor on its nodes' GPUs: the driver (the coordinator) may be a CPU-only head node.
+    placed = cfg.cluster.launcher == "ray"
+    if cfg.model.device.startswith("cuda") and not placed and not torch.cuda.is_available():
         raise ConfigError(f"model.device = {cfg.model.device!r}, but this machine has no CUDA device; {_TINY_HINT}")
     if cfg.model.preset == "pretrained":
         root = Path(cfg.model.path)

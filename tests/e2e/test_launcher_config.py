@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from digenrl.config import load_config
+from digenrl.config import check_runnable, load_config
 from digenrl.errors import ConfigError
 from digenrl.recipes.disaggregated import actor_plan
 from digenrl.recipes.ray_launcher import _import_ray, plan_bundles
@@ -83,3 +83,14 @@ def test_run_flags_set_the_cluster_table() -> None:
     assert res.exit_code == 2 and "cluster.launcher = 'ray' places actor processes" in res.output
     res = CliRunner().invoke(app, ["run", str(TINY), "--launcher", "kubernetes"])
     assert res.exit_code == 2 and "cluster.launcher: 'kubernetes' is not allowed" in res.output
+
+
+def test_a_placed_run_needs_no_gpu_in_the_driver() -> None:
+    """The coordinator runs in the driver; with --launcher ray the GPUs are the Ray nodes' (CPU-only head node)."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("checks the driver of a CPU-only host")
+    with pytest.raises(ConfigError, match="model.device = 'cuda', but this machine has no CUDA device"):
+        check_runnable(load_config(TINY, ["model.device=cuda"]))
+    check_runnable(load_config(TINY, ["model.device=cuda", "cluster.launcher=ray"]))
