@@ -101,8 +101,16 @@ def host_actor_name(actor: str) -> str:
     return f"digenrl-{socket.gethostname()}-{os.getpid()}" + (f"-{actor}" if actor else "")
 
 
-def _import_ray() -> Any:
+# Ray's switch for a single-node, loopback-only instance (named for macOS/Windows, where it is the default):
+# its node, GCS and workers then use 127.0.0.1 instead of this host's interface address. Read when ray is
+# imported, and inherited by the raylet and workers it starts.
+LOOPBACK_ONLY_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+
+
+def _import_ray(loopback_only: bool = False) -> Any:
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # nothing phones home unless the user asks
+    if loopback_only:  # a private Ray for this run alone: nothing of it listens off loopback
+        os.environ.setdefault(LOOPBACK_ONLY_ENV, "0")
     try:
         import ray
     except ImportError:
@@ -203,7 +211,7 @@ class RayLauncher:
         return None if self.pg is None else self.pg.id.hex()
 
     async def __aenter__(self) -> RayLauncher:
-        ray = self.ray = _import_ray()
+        ray = self.ray = _import_ray(loopback_only=self.cfg.cluster.address == "local")
         try:
             self._connect(ray)
             self._check_resources(ray)
