@@ -52,7 +52,7 @@ from typing import Any
 import torch
 
 from digenrl.errors import ConfigError, ProtocolError, TransportBroken
-from digenrl.transport.communicator import Communicator, GroupSpec
+from digenrl.transport.group import Communicator, GroupSpec
 
 __all__ = ["NCCL_TYPES", "NcclCommunicator", "nccl_args", "new_unique_id", "unique_id_arg", "unique_id_bytes"]
 
