@@ -67,6 +67,17 @@ def he_init(module, seed: int, gain: float = 1.4) -> None:  # noqa: ANN001
                     mod.bias.zero_()
 
 
+def _step(loss, module, opt, sched) -> None:  # noqa: ANN001
+    """One clipped optimizer step of both pretraining phases."""
+    import torch
+
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(module.parameters(), 1.0)
+    opt.step()
+    sched.step()
+
+
 def train_vae(vae, args, log) -> None:  # noqa: ANN001
     import torch
 
@@ -82,11 +93,7 @@ def train_vae(vae, args, log) -> None:  # noqa: ANN001
         rec = vae.decode(z).sample
         l1 = (rec - x).abs().mean()
         loss = l1 + (rec - x).pow(2).mean() + args.latent_l2 * z.pow(2).mean()
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(vae.parameters(), 1.0)
-        opt.step()
-        sched.step()
+        _step(loss, vae, opt, sched)
         if step % 100 == 0 or step == args.vae_steps - 1:
             log(f"vae {step:5d}  L1 {l1.item():.4f}")
 
@@ -137,11 +144,7 @@ def train_transformer(model, args, log) -> None:  # noqa: ANN001
         rows = torch.tensor([index[p] for p in prompts])
         v = model.transformer_forward(xs, s, cond["prompt_embeds"][rows], cond["prompt_mask"][rows])
         loss = (v - (noise - x0)).pow(2).mean()
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(tr.parameters(), 1.0)
-        opt.step()
-        sched.step()
+        _step(loss, tr, opt, sched)
         if step % 200 == 0 or step == args.steps - 1:
             log(f"flow {step:5d}  loss {loss.item():.4f}")
     tr.eval()
