@@ -29,10 +29,13 @@ _EPILOG = examples(
 Pass --join exactly as the system reports it (ActorSystem.address, logged at start):
 tcp://127.0.0.1:5555 and tcp://localhost:5555 are different peers to ZeroMQ.
 
-The worker exits with code 0 when the system shuts down, on SIGTERM/SIGINT, or (code 1) when the
-system stops answering heartbeats. Actor classes are imported by module path, so the worker needs
-the same code (and PYTHONPATH) as the driver; it hosts only digenrl's roles and the classes given
-with --allow (a peer naming any other class is refused before anything is imported).
+The worker exits with code 0 when the system shuts down, on SIGTERM/SIGINT, (code 1) when the
+system stops answering heartbeats, or (code 3) when the system refuses it: a running `digenrl run`
+takes late workers only as extra rollout actors, up to placement.max_rollout.
+
+Actor classes are imported by module path, so the worker needs the same code (and PYTHONPATH) as
+the driver; it hosts only digenrl's roles and the classes given with --allow (a peer naming any
+other class is refused before anything is imported).
 """
 
 
@@ -61,7 +64,7 @@ def worker(
     from digenrl.actors.allowlist import AllowList
     from digenrl.actors.loop import EVENT_LOOPS, run
     from digenrl.actors.worker import run_worker
-    from digenrl.errors import ConfigError
+    from digenrl.errors import ConfigError, JoinRefused
     from digenrl.roles import ROLE_CLASSES
     from digenrl.transport.curve import load_keys
 
@@ -89,6 +92,9 @@ def worker(
     try:
         reason = run(run_worker(join, name=name, listen=listen, transport=transport, allow=allowed,
                                 keys=cluster_keys), event_loop)
+    except JoinRefused as exc:  # the run does not take this worker: retrying will not help (exit 3)
+        typer.echo(f"digenrl worker: the system refused this worker: {exc}", err=True)
+        raise typer.Exit(3) from None
     except Exception as exc:  # a clear one-line reason (system unreachable, bad address), not a traceback
         typer.echo(f"digenrl worker: {type(exc).__name__}: {exc}", err=True)
         raise typer.Exit(1) from None

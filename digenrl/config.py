@@ -323,7 +323,9 @@ class PlacementConfig:
     """``[placement]``: threads of the colocated process; actors per role and their threads.
 
     ``workers > 0`` waits for that many ``digenrl worker --join`` processes (one per GPU, any host),
-    at most ``join_timeout`` seconds.
+    at most ``join_timeout`` seconds. ``max_rollout > rollout`` lets a running run grow: each worker
+    that joins while it runs becomes one more rollout actor, up to ``max_rollout`` live ones (it
+    receives the current weights before its first token); other late joins are refused.
     """
 
     threads: int = 2  # colocated only
@@ -333,6 +335,7 @@ class PlacementConfig:
     actor_threads: int = 1
     workers: int = 0
     join_timeout: float = 600.0  # seconds to wait for the workers to join
+    max_rollout: int = 0  # live rollout actors a running run may grow to by late joins (0: placement.rollout, none)
     gpu: str = "H100"  # the accelerator type each actor gets (the memory plan's headroom; `digenrl plan`)
     rollout_gpu: str = ""  # a heterogeneous fleet: the rollout actors' type ("" = gpu)
     # What a Ray placement-group bundle of each role asks for beyond its CPUs/GPU (cluster.launcher = "ray"),
@@ -353,12 +356,19 @@ class PlacementConfig:
         _check("placement.actor_threads", self.actor_threads >= 1, ">= 1", self.actor_threads)
         _check("placement.workers", self.workers >= 0, ">= 0", self.workers)
         _check("placement.join_timeout", self.join_timeout > 0, "> 0 seconds", self.join_timeout)
+        _check("placement.max_rollout", self.max_rollout == 0 or self.max_rollout >= self.rollout,
+               f"0 (no late joins) or >= placement.rollout = {self.rollout}", self.max_rollout)
         check_resources("placement.rollout_resources", self.rollout_resources)
         check_resources("placement.trainer_resources", self.trainer_resources)
         actors = self.rollout + self.trainer + self.reward
         if self.workers and self.workers < actors:
             raise ConfigError(f"placement.workers = {self.workers}: one actor per joined worker needs at least "
                               f"{actors} (rollout + trainer + reward)")
+
+    @property
+    def late_rollout(self) -> int:
+        """How many rollout actors beyond ``rollout`` may join a running run (``max_rollout`` - ``rollout``)."""
+        return max(0, self.max_rollout - self.rollout)
 
 
 def check_resources(key: str, table: dict[str, Any]) -> None:
@@ -521,6 +531,9 @@ class Config:
         if place.workers and (transport.actors != "zmq" or not transport.address.startswith("tcp://")):
             raise ConfigError("placement.workers > 0 needs transport.actors = 'zmq' and transport.address = "
                               "'tcp://<this host>:<port>' for the workers to join")
+        if place.late_rollout and (name == "colocated" or transport.actors != "zmq"):
+            raise ConfigError(f"placement.max_rollout = {place.max_rollout}: rollout actors join a running run as "
+                              "worker processes; it needs an actor schedule (not colocated) and transport.actors = 'zmq'")
         self._check_launcher()
         if transport.weights == "nccl" and not self.model.device.startswith("cuda"):
             raise ConfigError(f"transport.weights = 'nccl' moves CUDA buffers, but model.device = {self.model.device!r}; "

@@ -16,6 +16,7 @@ __all__ = [
     "StalenessViolation",
     "ConfigError",
     "ActorNotAllowed",
+    "JoinRefused",
 ]
 
 
@@ -78,3 +79,7 @@ class ConfigError(DigenrlError):
 
 class ActorNotAllowed(DigenrlError):
     """A worker was asked to host an actor class that is not on its allow-list (the message says how to add it)."""
+
+
+class JoinRefused(DigenrlError):
+    """A running system turned down a worker that asked to join (the message says why and what to change)."""

@@ -81,6 +81,11 @@ class ActorSystem:
         transport_options: passed to ``make_transport``.
         keys: the cluster's CURVE keys (``digenrl keys create``): the driver's node and every actor
             process authenticate with them; required for an ``address`` off loopback.
+
+    Attributes:
+        join_policy: ``policy(worker)`` is called for each worker that joins on its own (``digenrl
+            worker --join``, not a process this system launched) before it is registered; raising
+            ``JoinRefused`` turns it away with that message. ``None`` (default): every join is welcome.
     """
 
     def __init__(
@@ -117,6 +122,9 @@ class ActorSystem:
         self._counter = itertools.count()
         self._state = "new"
         self._ctx_token: Any = None
+        # Asked about every worker that joins on its own (no launch token), before it is registered:
+        # raising JoinRefused turns it away (its `digenrl worker` exits with the reason). None: all welcome.
+        self.join_policy: Callable[[Worker], None] | None = None
 
     # -- lifecycle -------------------------------------------------------------------------------
     async def __aenter__(self) -> ActorSystem:
@@ -337,10 +345,12 @@ class ActorSystem:
         node = self._running()
         agent = ActorRef(_agent.AGENT, info["address"], actor_class=_agent.NodeAgent, node=node)
         worker = Worker(info["name"], info["address"], info["pid"], info["host"], agent)
+        waiter = self._joins.pop(info["token"], None) if info["token"] else None
+        if waiter is None and self.join_policy is not None:
+            self.join_policy(worker)  # JoinRefused goes back to the worker as the join's error
         node.dead.pop(worker.address, None)
         node.last_heard[worker.address] = time.monotonic()
         self._workers[worker.address] = worker
-        waiter = self._joins.pop(info["token"], None) if info["token"] else None
         if waiter is not None and not waiter.done():
             waiter.set_result(worker)
         else:

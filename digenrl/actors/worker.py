@@ -29,7 +29,7 @@ from digenrl.actors.allowlist import AllowList
 from digenrl.actors._context import current_node
 from digenrl.actors._node import Node
 from digenrl.actors.base import ActorRef
-from digenrl.errors import DigenrlError
+from digenrl.errors import DigenrlError, JoinRefused, RemoteError
 from digenrl.transport import make_transport
 from digenrl.transport.curve import ClusterKeys
 
@@ -74,6 +74,7 @@ async def run_worker(
 
     Raises:
         TimeoutError: the system did not answer the join.
+        JoinRefused: the system does not take this worker (its join policy; the message says why).
         DigenrlError: the join failed (system unreachable or refusing).
     """
     name = name or f"worker-{socket.gethostname()}-{os.getpid()}"
@@ -89,8 +90,13 @@ async def run_worker(
         agent = _agent.NodeAgent(node, stop, allow or AllowList())
         await node.host(agent, _agent.AGENT, trusted_only=True)
         registry: ActorRef[_agent.Registry] = ActorRef(_agent.REGISTRY, join, node=node)
-        async with asyncio.timeout(join_timeout):
-            config = await registry.call("join", node.address, name, os.getpid(), socket.gethostname(), token)
+        try:
+            async with asyncio.timeout(join_timeout):
+                config = await registry.call("join", node.address, name, os.getpid(), socket.gethostname(), token)
+        except RemoteError as exc:
+            if exc.exc_type == f"{JoinRefused.__module__}.{JoinRefused.__qualname__}":  # an answer, not a fault
+                raise JoinRefused(exc.message) from None
+            raise
         parent_timeout = float(config.get("heartbeat_timeout", parent_timeout))
         log.info("worker %s: joined %s, serving at %s", name, join, node.address)
         return await _serve(node, join, stop, parent_timeout, agent)

@@ -40,6 +40,7 @@ from digenrl.config import ACTOR_SCHEDULES, Config
 from digenrl.data.prompts import load_prompts
 from digenrl.errors import ConfigError
 from digenrl.recipes.checkpoint import find_checkpoint, load_state, save_checkpoint
+from digenrl.recipes.late_rollout import LateRollouts
 from digenrl.roles.coordinator import Coordinator, RunStopped
 from digenrl.roles.reward import RewardActor
 from digenrl.roles.rollout import RolloutActor
@@ -200,15 +201,18 @@ async def start_cluster(system: ActorSystem, cfg: Config, version: int = 0, laun
 async def arun_disaggregated(cfg: Config, out_dir: str | Path | None = None, resume: str | Path | None = None, *,
                              cost: CostEstimate | None = None,
                              on_step: Callable[[dict[str, Any]], None] | None = None,
-                             on_dispatch: Callable[[str, dict[str, Any]], None] | None = None,
+                             on_dispatch: Callable[[str, dict[str, Any]], Any] | None = None,
                              write_files: bool = True,
                              on_result: Callable[[Timeline, list[tuple[Token, float]]], None] | None = None,
+                             on_admit: Callable[[dict[str, Any]], None] | None = None,
                              ) -> list[dict[str, Any]]:
     """Async form of :func:`run_disaggregated` (for callers that already run an event loop).
 
-    ``on_dispatch(device, token)`` sees every token as the coordinator sends it (see
-    :class:`~digenrl.roles.coordinator.Coordinator`). ``on_result`` receives the run's spans (a :class:`~digenrl.telemetry.spans.Timeline`, as the simulator's) and every completed
-    token with its measured seconds (benchmarks calibrate the simulator from them).
+    ``on_dispatch(device, token)`` sees every token as the coordinator sends it, ``on_admit(record)``
+    each rollout actor that joined mid-run as it is admitted (see
+    :class:`~digenrl.roles.coordinator.Coordinator`). ``on_result`` receives the run's spans (a
+    :class:`~digenrl.telemetry.spans.Timeline`, as the simulator's) and every completed token with
+    its measured seconds (benchmarks calibrate the simulator from them).
 
     Raises:
         ConfigError: ``schedule.name`` is not an actor schedule, or a bad checkpoint.
@@ -288,7 +292,10 @@ async def arun_disaggregated(cfg: Config, out_dir: str | Path | None = None, res
             is_dead=cluster.is_dead, weights_lane=transport.weights if transport.weights in COMM_KINDS else "zmq",
             bucket_mb=transport.bucket_mb, checkpoint=checkpoint if write_files else None,
             checkpoint_every=logc.checkpoint_every, on_step=step_done,
-            on_images=images if write_files else None, on_dispatch=on_dispatch, t0=t0, shard=cfg.shard)
+            on_images=images if write_files else None, on_dispatch=on_dispatch, t0=t0, shard=cfg.shard,
+            on_admit=on_admit)
+        late = LateRollouts(cfg, system, coordinator)
+        late.install()  # from now on a worker that joins is a late rollout actor, or refused
         try:
             if live is not None:
                 live.__enter__()
@@ -297,17 +304,19 @@ async def arun_disaggregated(cfg: Config, out_dir: str | Path | None = None, res
             log.error("run stopped: %s", exc)
             raise RunStopped(f"{exc} (run directory: {out})") from None
         finally:
+            await late.aclose()
             if live is not None:
                 live.__exit__(None, None, None)
             metrics.close()
-            result = coordinator.spans.timeline(sched.name, cluster.devices, coordinator.workload,
+            result = coordinator.spans.timeline(sched.name, coordinator.devices, coordinator.workload,
                                               time.time() - t0)
             if on_result is not None:
                 on_result(result, coordinator.token_log)
             if write_files:
                 write_artifacts(out, result, logc.trace, logc.gantt)
                 (out / "summary.json").write_text(json.dumps({**run_stats(result),
-                                                              "lost_devices": coordinator.lost_devices}, indent=1))
+                                                              "lost_devices": coordinator.lost_devices,
+                                                              "admitted": coordinator.admitted}, indent=1))
     return history
 
 

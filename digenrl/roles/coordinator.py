@@ -10,6 +10,11 @@ State machine (one instance per run)::
              └─ other error → stop the run (cancel what runs, re-raise)
     optim:   a batch whose samples were mostly scored with the reward penalty (FailureBudget) stops the
              run before its optimizer step: RunStopped, the last checkpoint intact
+    join:    admit(name, ref) of a rollout actor spawned mid-run: under the weights lock (publications
+             and admissions take turns, so a newcomer misses no version) the lead trainer hands it the
+             newest published versions (two: staleness 1), it checks it holds them, and only then the
+             schedule learns DeviceJoined (after the loop iteration's token results, so a PUBLISH that
+             finished first is known to the schedule first) and may give it tokens
     done:    schedule.done (every optimizer step ran) → return the metrics history
 
 Books per logical batch: its prompts (a pure function of seed and batch index, so the dataset
@@ -28,6 +33,7 @@ carry fragment geometry, sources and advantages; latents go actor to actor.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import time
 from collections.abc import Callable
@@ -45,7 +51,8 @@ from digenrl.rewards.failures import FailureBudget, RewardFailing
 from digenrl.rl.advantages import GroupAssembler
 from digenrl.rl.loss import reduce_stats
 from digenrl.schedule import make_schedule
-from digenrl.schedule.base import CostEstimate, Device, DeviceDied, Role, Schedule, Token, TokenDone, TokenKind, Workload
+from digenrl.schedule.base import (CostEstimate, Device, DeviceDied, DeviceJoined, Role, Schedule, Token, TokenDone,
+                                   TokenKind, Workload)
 from digenrl.telemetry.metrics import LOSS_KEYS, PHASE_KEYS, StepMetrics, parity_fields, parity_warning, total_drops
 from digenrl.telemetry.spans import SpanLog, window_bubbles
 
@@ -111,10 +118,12 @@ class Coordinator:
         on_images: called with ``(step, images)`` for the steps that log sample images.
         on_dispatch: called with ``(device, token)`` as each token is sent (``token`` as the actor
             receives it: ``kind``, global ``batch`` and ``version``, fragments...), e.g. to watch
-            an actor start a piece of work.
+            an actor start a piece of work. If it returns an awaitable, the token is sent once that
+            completes (a test holds a token until an event).
         shard: the trainer group's sharding (``Config.shard``). Under ``fsdp`` the schedule sees the
             lead trainer only and every TRAIN, OPTIM and PUBLISH token runs on the whole group (the
             others, ``followers``, enter the same collectives); TAG is off (a forward is a collective).
+        on_admit: called with the record of each rollout actor admitted mid-run (see :meth:`admit`).
     """
 
     def __init__(self, cfg: Config, schedule_name: str, devices: list[Device], refs: dict[str, Any],
@@ -124,8 +133,8 @@ class Coordinator:
                  bucket_mb: float = 64.0, checkpoint: Callable[[int, dict[str, Any]], Any] | None = None,
                  checkpoint_every: int = 1, on_step: Callable[[dict[str, Any]], None] | None = None,
                  on_images: Callable[[int, torch.Tensor], None] | None = None,
-                 on_dispatch: Callable[[str, dict[str, Any]], None] | None = None, t0: float | None = None,
-                 shard: str = "none") -> None:
+                 on_dispatch: Callable[[str, dict[str, Any]], Any] | None = None, t0: float | None = None,
+                 shard: str = "none", on_admit: Callable[[dict[str, Any]], None] | None = None) -> None:
         self.cfg = cfg
         self.devices = list(devices)
         self.refs = refs
@@ -171,6 +180,13 @@ class Coordinator:
         self.lost_devices: list[str] = []
         self.token_log: list[tuple[Token, float]] = []  # every completed token with its measured seconds
         self._dropped: dict[str, dict[str, int]] = {}  # endpoint -> its latest dropped-input counters
+        self.on_admit = on_admit
+        self._weights = asyncio.Lock()  # publications and admissions take turns
+        self._published: list[int] = []  # versions published to the rollout actors, in order
+        self._started = asyncio.Event()  # the starting version is out: admissions may proceed
+        self._admissions: dict[asyncio.Future[dict[str, Any]], str] = {}  # running admission -> newcomer
+        self.admitted: list[dict[str, Any]] = []  # one record per rollout actor admitted mid-run
+        self._unannounced: set[str] = set()  # admitted, not yet announced to the schedule (DeviceJoined)
 
     # -- public --------------------------------------------------------------------------------
     @property
@@ -198,26 +214,51 @@ class Coordinator:
             if getattr(getattr(self.schedule, "opt", None), "previous_version", False):
                 await self._publish(self.base - 1)  # a stale resume: the next batch was started with it
             await self._publish(self.base)
+            self._started.set()
             self._launch(self.schedule.start())
             while not self.schedule.done:
                 if self.schedule.failed:
                     raise RunStopped(f"schedule failed: {self.schedule.failed}")
-                if not self._tasks:
+                if not self._tasks and not self._admissions:
                     raise RunStopped("the schedule stalled: no token running and the run is not done")
                 # The timeout only matters for deaths of idle actors: a running token's death
                 # surfaces as ActorDied from its own call right away.
-                done, _ = await asyncio.wait(self._tasks, timeout=0.25, return_when=asyncio.FIRST_COMPLETED)
+                done, _ = await asyncio.wait({*self._tasks, *self._admissions}, timeout=0.25,
+                                             return_when=asyncio.FIRST_COMPLETED)
                 self._check_deaths()
                 for task in done:
                     token = self._tasks.pop(task, None)
                     if token is not None:
                         await self._settle(task, token)
+                for task in done:  # after the tokens: a PUBLISH done before an admission reaches the schedule first
+                    if task in self._admissions:
+                        self._joined(task, self._admissions.pop(task))
         finally:
-            for task in self._tasks:
+            running = [*self._tasks, *self._admissions]
+            for task in running:
                 task.cancel()
-            await asyncio.gather(*self._tasks, return_exceptions=True)
+            await asyncio.gather(*running, return_exceptions=True)
             self._tasks.clear()
+            self._admissions.clear()
         return self.history
+
+    def admit(self, name: str, ref: Any) -> asyncio.Future[dict[str, Any]]:
+        """Add the rollout actor ``name`` (spawned and connected to its peers by the caller) to the running run.
+
+        It receives the newest published versions before the schedule may give it a token (see the
+        state machine above); until then it is not among ``rollouts``. Returns the admission's future:
+        its record ``{"device", "versions", "published", "generation", "t0", "t1"}`` (times relative
+        to the run's start; ``versions``: what the newcomer reports holding), also passed to
+        ``on_admit`` and kept in ``admitted``.
+
+        Raises:
+            ValueError: ``name`` is already a device of this run.
+        """
+        if name in self.role or name in self._admissions.values():
+            raise ValueError(f"{name!r} is already a device of this run")
+        task = asyncio.ensure_future(self._admit(name, ref))
+        self._admissions[task] = name
+        return task
 
     # -- launching -----------------------------------------------------------------------------
     def _book(self, batch: int) -> _Book:
@@ -248,8 +289,8 @@ class Coordinator:
 
     async def _execute(self, token: Token) -> dict[str, Any]:
         kind, w = token.kind, self._wire(token)
-        if self.on_dispatch is not None:
-            self.on_dispatch(token.device, w)
+        if self.on_dispatch is not None and inspect.isawaitable(held := self.on_dispatch(token.device, w)):
+            await held
         ref = self.refs[token.device]
         book = self._book(w["batch"])
         if kind is TokenKind.ROLLOUT:
@@ -290,19 +331,69 @@ class Coordinator:
                  "store": book.stored_at[f.index]} for f, ss in zip(token.fragments, sids, strict=True)]
 
     async def _publish(self, version: int) -> dict[str, Any]:
-        lead = self.trainers[0]
-        t0 = time.time()
-        # gloo / nccl: the lead broadcasts over its communicator group with the live rollout actors
-        # (re-formed by the lead when they changed); zmq: it sends each one the buckets.
-        publish = self.refs[lead].publish_comm if self.weights_lane in ("gloo", "nccl") else self.refs[lead].publish
-        calls = [publish.call(version, self.rollouts)]
-        calls += [self.refs[n].publish.call(version, []) for n in self.followers if n in self.alive]  # FSDP gathers
-        out = (await asyncio.gather(*calls))[0]
+        async with self._weights:  # the receivers are the rollout actors live now, admitted ones included
+            lead = self.trainers[0]
+            t0 = time.time()
+            # gloo / nccl: the lead broadcasts over its communicator group with the live rollout actors
+            # (re-formed by the lead when they changed); zmq: it sends each one the buckets.
+            publish = self.refs[lead].publish_comm if self.weights_lane in ("gloo", "nccl") else self.refs[lead].publish
+            calls = [publish.call(version, self.rollouts)]
+            calls += [self.refs[n].publish.call(version, []) for n in self.followers if n in self.alive]  # FSDP gathers
+            out = (await asyncio.gather(*calls))[0]
+            if version not in self._published:
+                self._published.append(version)
+        self._drop_failed(out)
+        out.setdefault("t0", t0)
+        return out
+
+    def _drop_failed(self, out: dict[str, Any]) -> None:
         for name in out.get("failed", []):
             # Supervision may not have reported it yet; the receiver's ActorDied is proof enough.
             self._died(name, "died while receiving weights")
-        out.setdefault("t0", t0)
-        return out
+
+    async def _admit(self, name: str, ref: Any) -> dict[str, Any]:
+        await self._started.wait()
+        async with self._weights:
+            t0 = time.time()
+            out = await self.refs[self.trainers[0]].admit.call([*self.rollouts, name], [name])
+            if name in out["failed"]:
+                raise ActorDied(name, "died while receiving its first weights")
+            held = (await ref.weights_info.call())["versions"]
+            need = self._published[-2:]  # what the schedule assumes every rollout actor holds
+            if not set(need) <= set(held):
+                raise StalenessViolation(f"{name} holds versions {held} after its admission; the run published {need}")
+            self.refs[name] = ref
+            self.devices.append(Device(name, Role.ROLLOUT))
+            self.role[name] = Role.ROLLOUT
+            self.alive.add(name)  # every later publication includes it
+            self._unannounced.add(name)  # until the schedule hears of it in _joined
+        self._drop_failed(out)
+        return {"device": name, "versions": held, "published": need, "generation": out.get("generation", -1),
+                "t0": t0 - self.t0, "t1": time.time() - self.t0}
+
+    def _joined(self, task: asyncio.Future[dict[str, Any]], name: str) -> None:
+        if task.cancelled():
+            return
+        exc = task.exception()
+        if isinstance(exc, StalenessViolation):
+            raise exc
+        if exc is not None:  # the run goes on without it
+            log.warning("coordinator: could not admit %s (%s: %s); the run goes on without it", name,
+                        type(exc).__name__, exc)
+            return
+        record = task.result()
+        if name not in self._unannounced:  # it died in between (_died dropped it)
+            return
+        self._unannounced.discard(name)
+        self.admitted.append(record)
+        # Its span: the newcomer was busy receiving weights (the trace shows them before its first token).
+        self.spans.add(name, TokenKind.PUBLISH, self.version, -1, record["published"][-1], record["t0"] + self.t0,
+                       record["t1"] + self.t0)
+        log.info("coordinator: %s joined the run at version %d (holds %s)", name, record["published"][-1],
+                 record["versions"])
+        if self.on_admit is not None:
+            self.on_admit(record)
+        self._launch(self.schedule.on_event(DeviceJoined(Device(name, Role.ROLLOUT))))
 
     async def _optim(self, token: Token, batch: int, book: _Book) -> dict[str, Any]:
         group = self.group
@@ -458,6 +549,10 @@ class Coordinator:
         if self.role[name] is Role.TRAINER:
             raise RunStopped(f"trainer {name} died ({reason}) at version {self.version}; its accumulated "
                              f"gradients are lost. The last checkpoint is intact: resume with --resume <run dir>")
+        if name in self._unannounced:  # admitted, but the schedule never gave it work
+            self._unannounced.discard(name)
+            log.warning("coordinator: %s died (%s) right after its admission", name, reason)
+            return
         log.warning("coordinator: %s died (%s); re-issuing its work", name, reason)
         self._launch(self.schedule.on_event(DeviceDied(name)))
 

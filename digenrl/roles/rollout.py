@@ -81,6 +81,12 @@ class GenerationMixin:
         return {**await self._run_reward(token, prompts, store, images), "dropped": dropped_counts()}
 
     @endpoint(control=True)
+    async def meet(self, peers: dict[str, Any]) -> list[str]:
+        """Learn the refs of actors added to the running run (a rollout actor that joined); returns the names known."""
+        self.peers.update(peers)
+        return sorted(self.peers)
+
+    @endpoint(control=True)
     async def take_fragment(self, batch: int, index: int) -> dict[str, Any]:
         """Hand fragment ``(batch, index)`` over to the caller (it is no longer held here).
 

@@ -96,6 +96,9 @@ class TrainerActor(GenerationMixin, Actor):
         self._previous: dict[str, torch.Tensor] | None = None  # version - 1's weights, for a stale checkpoint
         self._behaviour: dict[str, torch.Tensor] | None = None  # version - 1's weights, for train.check_parity
         self._publisher: Any = None  # the gloo / nccl weight lane, formed at the first publication
+        # zmq lane of a run that rollout actors may join (placement.max_rollout): the newest two published
+        # versions, packed, for a newcomer (the gloo / nccl publisher keeps its own)
+        self._kept: dict[int, tuple[list[list[Any]], list[torch.Tensor]]] | None = {} if cfg.placement.late_rollout else None
 
     def _new_optimizer(self) -> None:
         t = self.cfg.train
@@ -345,9 +348,22 @@ class TrainerActor(GenerationMixin, Actor):
         """
         t0 = time.time()
         sd = await self._compute(self._weights, version) if self.shard == "fsdp" else self._weights(version)
-        if not rollouts:
+        keep = self._kept is not None and self.lead
+        if not rollouts and not keep:
             return {"t0": t0, "t1": time.time(), "bytes": 0, "failed": []}
         layout, buckets = pack_buckets(sd, self.bucket_mb)
+        if keep:
+            assert self._kept is not None
+            self._kept[version] = (layout, buckets)
+            for old in sorted(self._kept)[:-2]:
+                del self._kept[old]
+        failed = await self._send_weights(version, layout, buckets, rollouts)
+        return {"t0": t0, "t1": time.time(), "bytes": sum(b.numel() * b.element_size() for b in buckets),
+                "failed": failed}
+
+    async def _send_weights(self, version: int, layout: list[list[Any]], buckets: list[torch.Tensor],
+                            rollouts: list[str]) -> list[str]:
+        """zmq lane: ``version`` to each of ``rollouts``; returns those found dead."""
         results = await asyncio.gather(*(self.peers[r].receive_weights.call(version, layout, buckets) for r in rollouts),
                                        return_exceptions=True)
         # A receiver that died is the coordinator's business (it re-plans); any other failure is a bug.
@@ -355,8 +371,34 @@ class TrainerActor(GenerationMixin, Actor):
         for res in results:
             if isinstance(res, BaseException) and not isinstance(res, ActorDied):
                 raise res
-        return {"t0": t0, "t1": time.time(), "bytes": sum(b.numel() * b.element_size() for b in buckets),
-                "failed": failed}
+        return failed
+
+    @endpoint
+    async def admit(self, rollouts: list[str], newcomers: list[str]) -> dict[str, Any]:
+        """Hand rollout actors that joined the running run the newest published versions (two: for staleness 1).
+
+        ``rollouts``: every live rollout actor, ``newcomers`` included. zmq lane: the kept versions go to
+        the newcomers; gloo / nccl: the weight group re-forms with ``rollouts`` and replays them.
+        Returns the versions handed over (oldest first), the generation (-1 on zmq), ``failed``
+        (receivers found dead) and the span.
+
+        Raises:
+            ConfigError: nothing to hand over (the run does not keep versions: placement.max_rollout).
+        """
+        t0 = time.time()
+        lane = self.cfg.transport.weights
+        if lane in ("gloo", "nccl"):
+            if self._publisher is None:
+                raise ConfigError("admit: no version was published over the weight group yet")
+            out = await self._publisher.admit({r: self.peers[r] for r in rollouts})
+            return {**out, "versions": sorted(self._publisher.recent), "t0": t0, "t1": time.time()}
+        if not self._kept:
+            raise ConfigError("admit: this trainer keeps no published versions; rollout actors may join a running "
+                              "run only when placement.max_rollout > placement.rollout")
+        failed: list[str] = []
+        for version in sorted(self._kept):
+            failed += await self._send_weights(version, *self._kept[version], [n for n in newcomers if n not in failed])
+        return {"versions": sorted(self._kept), "generation": -1, "failed": failed, "t0": t0, "t1": time.time()}
 
     @endpoint
     async def publish_comm(self, version: int, rollouts: list[str]) -> dict[str, Any]:

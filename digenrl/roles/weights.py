@@ -246,23 +246,27 @@ class CommPublisher:
 
     async def _admit_once(self, alive: Mapping[str, Any]) -> list[str]:
         async with self._form_lock:
-            if not alive:
-                self._leave()
-                return []
-            if self.ops is None or list(alive) != self.members:
-                return await self._form(alive)
-            return []
+            return await self._match(alive) or []
 
     async def _publish_once(self, version: int, layout: list[list[Any]], buckets: list[torch.Tensor],
                             alive: Mapping[str, Any]) -> list[str]:
         async with self._form_lock:
-            if not alive:
-                self._leave()
-                return []
-            if self.ops is None or list(alive) != self.members:
-                return await self._form(alive)  # the replay carries `version` too
+            dead = await self._match(alive)
+            if dead is not None:
+                return dead  # a new generation's replay carried `version` too (or nobody is left)
+            assert self.ops is not None
             ops, seq = self.ops, self._take_seq()
         return await self._broadcast(ops, seq, version, layout, buckets, alive)
+
+    async def _match(self, alive: Mapping[str, Any]) -> list[str] | None:
+        """Under the form lock: leave when no receiver is alive, re-form when the members changed (the
+        replay hands everyone the newest versions); the receivers found dead then. None: the group is current."""
+        if not alive:
+            self._leave()
+            return []
+        if self.ops is None or list(alive) != self.members:
+            return await self._form(alive)
+        return None
 
     def _take_seq(self) -> int:
         # Numbered synchronously, so concurrent publications get their numbers in call order.
