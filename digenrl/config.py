@@ -325,7 +325,9 @@ class PlacementConfig:
     ``workers > 0`` waits for that many ``digenrl worker --join`` processes (one per GPU, any host),
     at most ``join_timeout`` seconds. ``max_rollout > rollout`` lets a running run grow: each worker
     that joins while it runs becomes one more rollout actor, up to ``max_rollout`` live ones (it
-    receives the current weights before its first token); other late joins are refused.
+    receives the current weights before its first token); other late joins are refused. For them the
+    lead trainer keeps the two newest published versions in host memory (zmq lane; the gloo / nccl
+    lane keeps them anyway).
     """
 
     threads: int = 2  # colocated only
