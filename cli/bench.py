@@ -24,6 +24,7 @@ _EPILOG = examples(
     "digenrl bench bubbles --scenario my-cluster.toml        # your fleet and workload (see digenrl/sim/user.py)",
     "digenrl bench bubbles --list",
     "digenrl bench bubbles --real --batches 20 --repeats 3 --out runs/real  # the tiny model, for real, here",
+    "digenrl bench bubbles --real --plan-check --out runs/plan-check  # is the planner's choice the measured best?",
 )
 
 
@@ -45,9 +46,21 @@ def bubbles(
                                        help="With async1 selected: where its gain over each baseline comes from."),
     plan: bool = typer.Option(False, "--plan", help="Run the planned schedule (the model's shipped config, e.g. "
                               "async1) on the split `digenrl plan --fleet` chooses per scenario (marked *)."),
+    plan_check: bool = typer.Option(False, "--plan-check", help="--real: measure the plan costs, plan this machine "
+                                    "with them, run the planner's top placements (and the shipped one) for real and "
+                                    "say whether its first choice is the measured best (exit 1 if not)."),
+    top: int = typer.Option(3, "--top", min=1, help="--plan-check: how many of the planner's placements to run."),
 ) -> None:
     """Simulate scenarios x schedules (or, with --real, measure them on this machine): samples/s, speedup,
     bubble ratios, staleness, sync share."""
+    if plan_check:
+        from digenrl_cli.plan_check import main as check
+
+        if not real:
+            typer.secho("--plan-check runs real placements: add --real", fg=typer.colors.RED, err=True)
+            raise typer.Exit(2)
+        check(config, set_ or [], batches, repeats, top, out)
+        return
     if real:
         _real(schedule or None, batches, out, repeats, config, set_ or [])
         return

@@ -61,6 +61,11 @@ def plan(
     costs: Annotated[Path | None, typer.Option("--costs", help="--fleet: price tokens with the costs a `digenrl "
                                                "bench bubbles --real` report measured (its bubbles.json) instead of "
                                                "the model's GPU profile: a plan for that machine.")] = None,
+    tolerance: Annotated[float | None, typer.Option("--tolerance", min=0.0, help="--fleet: keep the config's own "
+                                                    "placement first unless another is predicted this fraction "
+                                                    "faster (default: the simulator's measured error the --costs "
+                                                    "report states, calibration.plan_error; 0 without --costs).")]
+    = None,
 ) -> None:
     """Memory per role and device at the model's real size (built on the meta device, no weights);
     exits 1 when a role does not fit, naming the key to change. With --fleet: the best placements of
@@ -69,7 +74,7 @@ def plan(
     from digenrl.plan.memory import check_memory, memory_plan
 
     if fleet is not None:
-        _fleet(config, set_ or [], fleet, write, top, batches, json_out, costs)
+        _fleet(config, set_ or [], fleet, write, top, batches, json_out, costs, tolerance)
         return
     try:
         cfg = load_config(config, set_ or [])
@@ -90,7 +95,7 @@ def plan(
 
 
 def _fleet(config: Path, overrides: list[str], fleet: str, write: Path | None, top: int, batches: int,
-           json_out: Path | None, costs: Path | None = None) -> None:
+           json_out: Path | None, costs: Path | None = None, tolerance: float | None = None) -> None:
     import time
 
     from digenrl.config import load_config
@@ -103,7 +108,9 @@ def _fleet(config: Path, overrides: list[str], fleet: str, write: Path | None, t
         cfg = load_config(config, overrides)
         pools = load_scenario(fleet).pools if fleet.endswith(".toml") else fleet_pools(fleet)
         measured = MeasuredCost.from_report(costs) if costs is not None else None
-        result = plan_fleet(cfg, pools, top=top, batches=batches, measured=measured)
+        if tolerance is None:
+            tolerance = (MeasuredCost.report_error(costs) or 0.0) if costs is not None else 0.0
+        result = plan_fleet(cfg, pools, top=top, batches=batches, measured=measured, tolerance=tolerance)
     except ConfigError as exc:
         typer.secho(f"plan error: {exc}", fg=typer.colors.RED, err=True)
         raise typer.Exit(2) from exc
@@ -113,7 +120,8 @@ def _fleet(config: Path, overrides: list[str], fleet: str, write: Path | None, t
              f"{time.perf_counter() - start:.1f} s", header]
     for i, c in enumerate(result.candidates, 1):
         mem = ", ".join(f"{role} {m['gb']:.0f}/{m['capacity_gb']:.0f} {m['device']}" for role, m in c.memory.items())
-        lines.append(f"{i:>2}  {c.split:44s} {c.tag_steps:>9} {c.fragment_groups:>11} {c.rows_per_pass:>9} "
+        split = c.split + (" (shipped)" if c.shipped else "")
+        lines.append(f"{i:>2}  {split:44s} {c.tag_steps:>9} {c.fragment_groups:>11} {c.rows_per_pass:>9} "
                      f"{c.samples_per_s:>10.3f} {c.bubble_rollout:>8.1%} {c.bubble_trainer:>8.1%} {c.staleness:>5}  {mem}")
         if len(c.bubble_by_pool) > 1:
             lines.append("    bubble per pool: " + ", ".join(f"{t} {b:.1%}" for t, b in c.bubble_by_pool.items()))

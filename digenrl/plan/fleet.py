@@ -65,6 +65,11 @@ class Candidate:
     staleness: int = 0
     bubble_by_pool: dict[str, float] = field(default_factory=dict)  # device type -> mean bubble, any role
     memory: dict[str, dict[str, float]] = field(default_factory=dict)  # role -> {gb, capacity_gb, device}
+    shipped: bool = False  # the config's own placement and token sizes
+
+    @property
+    def ident(self) -> tuple[object, ...]:
+        return tuple(self.rollout.items()), tuple(self.trainer.items()), self.tag_steps, self.fragment_groups
 
     @property
     def split(self) -> str:
@@ -84,6 +89,7 @@ class FleetPlan:
     simulations: int
     unused: list[str]
     notes: list[str]
+    split_best: list[Candidate] = field(default_factory=list)  # per_split: the best of each split, best first
 
     @property
     def best(self) -> Candidate:
@@ -91,7 +97,7 @@ class FleetPlan:
 
     def to_json(self) -> dict[str, Any]:
         return {"candidates": [c.to_json() for c in self.candidates], "simulations": self.simulations,
-                "unused": self.unused, "notes": self.notes}
+                "unused": self.unused, "notes": self.notes, "split_best": [c.to_json() for c in self.split_best]}
 
 
 def _variant(cfg: Config, rollout: dict[str, int], trainer: dict[str, int], tag_steps: int, fragment_groups: int,
@@ -137,11 +143,20 @@ def _max_rows(cfg: Config, traces: Traces, cap_rows: int) -> tuple[int, MemoryPl
 
 
 def plan_fleet(cfg: Config, pools: tuple[Pool, ...], *, top: int = 5, batches: int = 6,
-               final_batches: int = 20, measured: MeasuredCost | None = None) -> FleetPlan:
+               final_batches: int = 20, measured: MeasuredCost | None = None, tolerance: float = 0.0,
+               per_split: bool = False) -> FleetPlan:
     """Search placements of ``cfg`` on ``pools`` (see the module docstring); best first.
 
     ``measured``: price tokens with costs measured on the fleet's device (``bench bubbles --real``)
     instead of the model's GPU profile: a plan for the very machine the bench ran on (one pool type).
+
+    ``tolerance``: the simulator's measured relative error. When the fleet has as many devices as the
+    config places, the config's own placement (its split and token sizes, "shipped") is always among
+    the finalists, and it stays first unless the best candidate is predicted more than ``tolerance``
+    faster: a win inside the model's error is no reason to leave a placement that was measured.
+
+    ``per_split``: also re-simulate the best candidate of every split evaluated and return them in
+    ``split_best`` (``bench bubbles --real --plan-check`` runs each split's best for real).
 
     Raises:
         ConfigError: no placement fits the fleet's memory, or the schedule cannot use the fleet.
@@ -299,21 +314,56 @@ def plan_fleet(cfg: Config, pools: tuple[Pool, ...], *, top: int = 5, batches: i
     # distinct placements only (two keys can resolve to the same sizes)
     seen, unique = set(), []
     for c in ranked:
-        ident = (tuple(c.rollout.items()), tuple(c.trainer.items()), c.tag_steps, c.fragment_groups)
-        if ident not in seen:
-            seen.add(ident)
+        if c.ident not in seen:
+            seen.add(c.ident)
             unique.append(c)
     if not unique:
         raise ConfigError("no placement of the fleet fits the memory plan; see `digenrl plan CONFIG`")
+    # the config's own placement, when the fleet is the size it places
+    shipped = None
+    place = cfg.placement
+    if place.rollout + place.trainer == len(order) and lo <= place.rollout <= hi:
+        shipped = evaluate(place.rollout, base_tag, base_groups)
     # the finalists again over a longer run: a short one's steady window is only a few batches wide
     finalists = unique[:max(top, 5)]
+    if shipped is not None:
+        shipped.shipped = True
+        finalists = [c for c in finalists if c.ident != shipped.ident] + [shipped]
+    if per_split:
+        idents = {c.ident for c in finalists}
+        for split in {(c.ident[0], c.ident[1]) for c in unique}:
+            first = next(c for c in unique if (c.ident[0], c.ident[1]) == split)
+            if first.ident not in idents:
+                finalists.append(first)
+                idents.add(first.ident)
     final = replace(workload, num_batches=final_batches)
     for cand in finalists:
         run(cand, sum(cand.rollout.values()), final)
     unique = sorted(finalists, key=lambda c: (-round(c.samples_per_s, 6), c.bubble_rollout + c.bubble_trainer))
+    if shipped is not None and unique[0] is not shipped:
+        best = unique[0]
+        gain = best.samples_per_s / shipped.samples_per_s - 1.0 if shipped.samples_per_s else float("inf")
+        if gain <= tolerance:
+            unique.remove(shipped)
+            unique.insert(0, shipped)
+            notes.append(f"kept the shipped placement ({shipped.split}, tag_steps {shipped.tag_steps}, fragment_groups "
+                         f"{shipped.fragment_groups}) first: the best predicted ({best.split}, tag_steps "
+                         f"{best.tag_steps}, fragment_groups {best.fragment_groups}) is {gain:+.1%}, within the "
+                         f"simulator's measured error ({tolerance:.1%})")
+        else:
+            notes.append(f"the best placement is predicted {gain:+.1%} faster than the shipped one ({shipped.split}, "
+                         f"tag_steps {shipped.tag_steps}), beyond the simulator's measured error ({tolerance:.1%})")
     notes.append("rows_per_pass: the largest the trainer memory allows (capped at a training token's rows); "
                  "the simulator's cost does not depend on it")
-    return FleetPlan(unique[:top], simulations, unused, notes)
+    shown = unique[:top]
+    if shipped is not None and shipped not in shown:
+        shown.append(shipped)  # always shown: what the config runs now, to compare with
+    split_best: list[Candidate] = []
+    if per_split:
+        for c in unique:
+            if all((b.ident[0], b.ident[1]) != (c.ident[0], c.ident[1]) for b in split_best):
+                split_best.append(c)
+    return FleetPlan(shown, simulations, unused, notes, split_best)
 
 
 def scenario_config(sc: Scenario) -> Config:

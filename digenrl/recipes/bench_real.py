@@ -47,13 +47,14 @@ from digenrl.errors import ConfigError
 from digenrl.schedule import make_schedule
 from digenrl.schedule.base import Device, Role, Token, Workload
 from digenrl.sim.engine import simulate
+from digenrl.recipes.measure_costs import measure_allreduce, plan_costs
 from digenrl.sim.measured import MeasuredCost
 from digenrl.telemetry.spans import Timeline, window_bubbles
 from digenrl.telemetry.stats import summarize
 
 log = logging.getLogger(__name__)
 
-__all__ = ["MeasuredCost", "run_real_bubbles", "REAL_DEFAULT_SCHEDULES", "DEFAULT_CONFIG"]
+__all__ = ["MeasuredCost", "run_real_bubbles", "run_actors", "REAL_DEFAULT_SCHEDULES", "DEFAULT_CONFIG"]
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "tiny-qwenimage.toml"
 REAL_DEFAULT_SCHEDULES = ("colocated", "disaggregated", "tag", "async1", "async1+reward")
@@ -155,8 +156,26 @@ def _row(name: str, schedule: str, result: Timeline, sim: Timeline | None, measu
     }
 
 
-def _simulated(schedule: str, devices: list[Device], workload: Workload, cost: MeasuredCost) -> Timeline:
-    return simulate(make_schedule(schedule, devices, workload, cost), devices, workload, cost)  # type: ignore[arg-type]
+def run_actors(cfg: Any, where: Path) -> tuple[Timeline, list[tuple[Token, float]], list[tuple[Token, float]]]:
+    """One real disaggregated run of ``cfg`` (files under ``where``): its timeline, tokens and per-token overheads."""
+    from digenrl.recipes.disaggregated import arun_disaggregated
+
+    got: list[Any] = []
+    run_loop(arun_disaggregated(cfg, where, on_result=lambda r, log, over: got.append((r, log, over))),
+             cfg.runtime.event_loop)
+    return got[0]
+
+
+def _simulated(schedule: str, devices: list[Device], workload: Workload, cost: MeasuredCost,
+               options: dict[str, Any] | None = None) -> Timeline:
+    """The simulator's run of ``schedule`` with the token sizes the real run had (``options``: the config's)."""
+    sched = make_schedule(schedule, devices, workload, cost, **(options or {}))
+    return simulate(sched, devices, workload, cost)  # type: ignore[arg-type]
+
+
+def sim_options(cfg: Any) -> dict[str, Any]:
+    """The schedule options a real run of ``cfg`` uses (its token sizes and staleness), for the simulator."""
+    return {**cfg.schedule_options, **({"staleness": cfg.schedule.staleness} if cfg.schedule.staleness else {})}
 
 
 def _median(runs: list[Any], key: Any) -> Any:
@@ -166,7 +185,7 @@ def _median(runs: list[Any], key: Any) -> Any:
 
 def run_real_bubbles(schedules: list[str] | None = None, num_batches: int = 8, out: Path | None = None,
                      config: Path = DEFAULT_CONFIG, overrides: list[str] | None = None,
-                     repeats: int = 1) -> dict[str, Any]:
+                     repeats: int = 1, fine_tokens: bool = True) -> dict[str, Any]:
     """Train the tiny model for real under each schedule and compare with the calibrated simulator.
 
     Args:
@@ -180,16 +199,22 @@ def run_real_bubbles(schedules: list[str] | None = None, num_batches: int = 8, o
         repeats: rounds over all schedules, interleaved (round 1 runs every schedule, then round 2...),
             so a burst of other load on a shared machine hits one run of each, not one schedule's
             every run. Each row reports its median run and lists every run's samples/s.
+        fine_tokens: with an actor schedule, also run the first one at finer tokens (``tag_steps = 1``,
+            a quarter of the fragment size) in every round: row ``real-<schedule>-fine``. Its smaller
+            tokens are what lets the plan costs separate a token's fixed cost from its per-unit cost.
 
     Returns:
-        The ``bubbles.json`` content: ``rows``, ``calibration`` (fitted per-kind costs) and ``definitions``.
+        The ``bubbles.json`` content: ``rows``, ``calibration`` and ``definitions``. With an actor
+        schedule, ``calibration`` holds the costs ``plan --costs`` reads (``costs_version`` 2:
+        ``measured_costs`` per kind with ``optim`` and ``publish``, ``dispatch_s``, ``allreduce``; see
+        ``recipes/measure_costs.py``) and ``plan_error``, the largest |error| of the simulator with
+        those costs over the actor rows (each row's ``sim_error_plan_costs``).
 
     Raises:
         ConfigError: an unknown schedule, ``num_batches < 2`` or ``repeats < 1``.
     """
     import tempfile
 
-    from digenrl.recipes.disaggregated import arun_disaggregated
     from digenrl.telemetry.trace import write_gantt
 
     chosen = list(schedules or REAL_DEFAULT_SCHEDULES)
@@ -205,17 +230,25 @@ def run_real_bubbles(schedules: list[str] | None = None, num_batches: int = 8, o
     root = Path(tmp.name) if tmp is not None else out
     assert root is not None
     root.mkdir(parents=True, exist_ok=True)
-    # schedule -> one (result, tokens, wall, devices, load, steady samples/s) per round
+    # (row key, schedule, extra overrides): each chosen schedule, then the fine-token calibration run
+    specs = [(s, s, ["placement.reward=1"] if s.endswith("+reward") else []) for s in chosen]
+    actor = next((s.removesuffix("+reward") for s in chosen if s != "colocated"), None)
+    if fine_tokens and actor is not None:
+        probe = load_config(config, base)
+        groups = max(1, (probe.schedule.fragment_groups or probe.rollout.prompts_per_batch) // 4)
+        specs.append((f"{actor}-fine", actor, ["schedule.tag_steps=1", f"schedule.fragment_groups={groups}"]))
+    # row key -> one (result, tokens, wall, devices, load, steady samples/s) per round
     runs: dict[str, list[tuple[Timeline, list[tuple[Token, float]], float, list[Device], float, float]]] = {}
+    overheads: list[float] = []  # every compute token's per-token overhead, all actor runs
+    options: dict[str, dict[str, Any]] = {}  # row key -> the schedule options its runs used
     coloc: dict[str, list[dict[str, Any]]] = {}  # colocated scenario -> one row per round
     predictors: list[tuple[float, MeasuredCost]] = []  # per round: (1-thread samples/s, its contended costs)
     rows: list[dict[str, Any]] = []
     try:
         for rnd in range(repeats):
-            for sched in chosen:
+            for sched, name, extra in specs:
                 # "<schedule>+reward": the same schedule with a reward actor of its own (decode + score).
-                extra = ["placement.reward=1"] if sched.endswith("+reward") else []
-                cfg = load_config(config, [*base, f"schedule.name={sched.removesuffix('+reward')}", *extra])
+                cfg = load_config(config, [*base, f"schedule.name={name.removesuffix('+reward')}", *extra])
                 if sched == "colocated":
                     # Both cores in one process (the baseline), and one core: on a loaded machine a
                     # 2-thread OpenMP process can stall at its barriers, so both figures are reported.
@@ -244,12 +277,10 @@ def run_real_bubbles(schedules: list[str] | None = None, num_batches: int = 8, o
                             "full": None, "tokens": None}
                     coloc.setdefault(pair["scenario"], []).append(pair)
                     continue
-                got: list[Any] = []
+                options[sched] = sim_options(cfg)
                 start, load = time.perf_counter(), _load()
-                where = root / (f"real-{sched}" + (f"-r{rnd}" if rnd else ""))
-                run_loop(arun_disaggregated(cfg, where, on_result=lambda r, log: got.append((r, log))),
-                         cfg.runtime.event_loop)
-                result, tokens = got[0]
+                result, tokens, over = run_actors(cfg, root / (f"real-{sched}" + (f"-r{rnd}" if rnd else "")))
+                overheads += [o for _, o in over]
                 runs.setdefault(sched, []).append((result, tokens, time.perf_counter() - start, list(result.devices),
                                                    load, summarize(result).steady.samples_per_s))
         colocated_row: dict[str, Any] | None = None
@@ -258,17 +289,23 @@ def run_real_bubbles(schedules: list[str] | None = None, num_batches: int = 8, o
             row["samples_per_s_runs"] = [r["samples_per_s"] for r in cand]
             colocated_row = colocated_row or row
             rows.append(row)
-        pooled = MeasuredCost.fit([t for rs in runs.values() for run in rs for t in run[1]])
+        every_token = [t for rs in runs.values() for run in rs for t in run[1]]
+        pooled = MeasuredCost.fit(every_token)
         predictor = _median(predictors, lambda p: p[0])[1] if predictors else pooled
+        planned = None
+        if runs:
+            first = load_config(config, [*base, f"schedule.name={actor}"])
+            planned = plan_costs(every_token, overheads, measure_allreduce(first))
         results = []
         for sched, rs in runs.items():
             result, tokens, wall, devices, load, sps = _median(rs, lambda r: r[5])
 
-            name = sched.removesuffix("+reward")
-            row = _row(f"real-{sched}", sched, result, _simulated(name, devices, result.workload, predictor), sps,
-                       wall, devices)
-            for key, cost in (("sim_error_token_fit", pooled), ("sim_error_self_calibrated", MeasuredCost.fit(tokens))):
-                own_sps = summarize(_simulated(name, devices, result.workload, cost)).steady.samples_per_s
+            name = next(n for k, n, _ in specs if k == sched).removesuffix("+reward")
+            row = _row(f"real-{sched}", sched.removesuffix("-fine"), result,
+                       _simulated(name, devices, result.workload, predictor, options[sched]), sps, wall, devices)
+            errors = [("sim_error_token_fit", pooled), ("sim_error_self_calibrated", MeasuredCost.fit(tokens))]
+            for key, cost in [*errors, *([("sim_error_plan_costs", planned)] if planned else [])]:
+                own_sps = summarize(_simulated(name, devices, result.workload, cost, options[sched])).steady.samples_per_s
                 row[key] = own_sps / row["samples_per_s"] - 1.0 if row["samples_per_s"] else None
             row["busy_cores_before"] = load
             row["samples_per_s_runs"] = [r[5] for r in rs]
@@ -281,14 +318,28 @@ def run_real_bubbles(schedules: list[str] | None = None, num_batches: int = 8, o
             r["speedup_vs_colocated_1thread"] = r["samples_per_s"] / one if one else None
         source = ("this run's 1-thread colocated phases x the 2x1thread contention (median round)" if predictors
                   else "pooled real tokens of this run's actor schedules")
-        report = {"rows": rows, "calibration": {"measured_costs": predictor.to_dict(), "source": source,
-                                                "token_fit": pooled.to_dict()},
+        calibration: dict[str, Any] = {"colocated_costs": predictor.to_dict(), "source": source,
+                                       "token_fit": pooled.to_dict()}
+        if planned is not None:
+            calibration.update(planned.to_calibration())
+            calibration["plan_error"] = max(abs(r["sim_error_plan_costs"]) for r in rows if "sim_error_plan_costs" in r)
+            calibration["plan_costs_source"] = (
+                "token fit over every actor run of this bench (fine-token run included) + the median per-token "
+                "overhead + one trainer's median optimizer step + the median publication + a measured 2-process "
+                "all-reduce of the trainable set (recipes/measure_costs.py)")
+        report = {"rows": rows, "calibration": calibration,
                   "definitions": {
                       "window": "steady = from the end of batch 0's optimizer step to the last one",
                       "bubble": "1 - compute span time / window, per actor (bubble_per_actor); per role = mean",
                       "sim_error": "simulator steady samples/s (same schedule, devices, workload; costs from "
                                    "calibration.source) / measured - 1",
                       "sim_error_token_fit": "the same with costs fitted to the measured tokens of all actor runs",
+                      "sim_error_plan_costs": "the same with the costs `plan --costs` reads (calibration."
+                                              "measured_costs, dispatch_s, allreduce); calibration.plan_error is "
+                                              "the largest |error| over the actor rows (in-sample: these runs "
+                                              "are in the fit)",
+                      "real-<schedule>-fine": "the schedule at finer tokens (tag_steps 1, a quarter of the fragment "
+                                              "size): the calibration run that separates fixed from per-unit costs",
                       "sim_error_self_calibrated": "the same with costs fitted to this run's tokens only",
                       "colocated": "the single-process loop with placement.threads torch threads",
                       "real-2x1thread": "two independent 1-thread colocated runs at once, samples/s summed: the "

@@ -203,7 +203,8 @@ async def arun_disaggregated(cfg: Config, out_dir: str | Path | None = None, res
                              on_step: Callable[[dict[str, Any]], None] | None = None,
                              on_dispatch: Callable[[str, dict[str, Any]], Any] | None = None,
                              write_files: bool = True,
-                             on_result: Callable[[Timeline, list[tuple[Token, float]]], None] | None = None,
+                             on_result: Callable[[Timeline, list[tuple[Token, float]], list[tuple[Token, float]]], None]
+                             | None = None,
                              on_admit: Callable[[dict[str, Any]], None] | None = None,
                              ) -> list[dict[str, Any]]:
     """Async form of :func:`run_disaggregated` (for callers that already run an event loop).
@@ -211,8 +212,9 @@ async def arun_disaggregated(cfg: Config, out_dir: str | Path | None = None, res
     ``on_dispatch(device, token)`` sees every token as the coordinator sends it, ``on_admit(record)``
     each rollout actor that joined mid-run as it is admitted (see
     :class:`~digenrl.roles.coordinator.Coordinator`). ``on_result`` receives the run's spans (a
-    :class:`~digenrl.telemetry.spans.Timeline`, as the simulator's) and every completed token with
-    its measured seconds (benchmarks calibrate the simulator from them).
+    :class:`~digenrl.telemetry.spans.Timeline`, as the simulator's), every completed token with its
+    measured seconds, and the per-token overhead of the ROLLOUT/REWARD/TRAIN tokens (seconds beyond
+    their compute; ``Coordinator.overhead_log``): benchmarks calibrate the simulator from them.
 
     Raises:
         ConfigError: ``schedule.name`` is not an actor schedule, or a bad checkpoint.
@@ -311,7 +313,7 @@ async def arun_disaggregated(cfg: Config, out_dir: str | Path | None = None, res
             result = coordinator.spans.timeline(sched.name, coordinator.devices, coordinator.workload,
                                               time.time() - t0)
             if on_result is not None:
-                on_result(result, coordinator.token_log)
+                on_result(result, coordinator.token_log, coordinator.overhead_log)
             if write_files:
                 write_artifacts(out, result, logc.trace, logc.gantt)
                 (out / "summary.json").write_text(json.dumps({**run_stats(result),

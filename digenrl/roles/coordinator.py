@@ -179,6 +179,11 @@ class Coordinator:
         self._last_optim = self.t0
         self.lost_devices: list[str] = []
         self.token_log: list[tuple[Token, float]] = []  # every completed token with its measured seconds
+        # ROLLOUT/REWARD/TRAIN tokens: seconds their device spent on the token beyond its compute (the call's
+        # trip both ways and this coordinator's handling of the result up to the next launch): the per-token
+        # overhead a cost model must charge (`bench bubbles --real` writes its median to the costs file).
+        self.overhead_log: list[tuple[Token, float]] = []
+        self._sent: dict[int, float] = {}  # token id -> when its call was sent
         self._dropped: dict[str, dict[str, int]] = {}  # endpoint -> its latest dropped-input counters
         self.on_admit = on_admit
         self._weights = asyncio.Lock()  # publications and admissions take turns
@@ -295,6 +300,7 @@ class Coordinator:
         book = self._book(w["batch"])
         if kind is TokenKind.ROLLOUT:
             book.staleness = max(book.staleness, token.batch - token.policy_version)
+            self._sent[token.id] = time.time()
             return await ref.rollout.call(w, book.prompts)
         if kind is TokenKind.REWARD:
             trainers = self.trainers
@@ -302,11 +308,13 @@ class Coordinator:
             every = self.cfg.log.image_every
             images = bool(every) and self.on_images is not None and (
                 w["batch"] % every == 0 or w["batch"] == self.cfg.train.iterations - 1)
+            self._sent[token.id] = time.time()
             result = await ref.reward.call(w, book.prompts, store, images)
             result["store"] = store
             return result
         if kind is TokenKind.TRAIN:
             infos = await self._train_infos(book, token)
+            self._sent[token.id] = time.time()  # after the wait for advantages: that is a dependency, not overhead
             if not self.followers:
                 return await ref.train.call(w, infos)
             # FSDP: every member trains its slice of the token's rows; the lead reports the rows.
@@ -447,6 +455,9 @@ class Coordinator:
         seconds = max(1e-6, result["t1"] - result["t0"])
         self.token_log.append((token, seconds))
         self._launch(self.schedule.on_event(TokenDone(token, observed_seconds=seconds)))
+        sent = self._sent.pop(token.id, None)
+        if sent is not None:
+            self.overhead_log.append((token, max(0.0, time.time() - sent - seconds)))
 
     def _record(self, token: Token, result: dict[str, Any]) -> None:
         kind, batch = token.kind, token.batch + self.base

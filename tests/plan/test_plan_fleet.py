@@ -142,12 +142,12 @@ def test_measured_costs_plan_the_machine_they_were_measured_on(tmp_path: Path) -
     import json
 
     from digenrl.policy import trained_steps
-    from digenrl.sim.measured import MeasuredCost
+    from digenrl.sim.measured import AllReduce, MeasuredCost
 
     per_unit = {"rollout": 3e-4, "reward": 9e-4, "train": 9e-4}
     report = tmp_path / "bubbles.json"
-    report.write_text(json.dumps({"calibration": {"measured_costs": {
-        k: {"overhead_s": 0.0, "per_unit_s": v} for k, v in per_unit.items()}}}))
+    fits = {k: (0.0, v) for k, v in per_unit.items()} | {"optim": (0.0, 0.0), "publish": (0.0, 0.0)}
+    report.write_text(json.dumps({"calibration": MeasuredCost(fits, 0.0, AllReduce(0.0, 1.0, 0.0)).to_calibration()}))
     cost = MeasuredCost.from_report(report)
     cfg = load_config(CONFIGS / "tiny-qwenimage.toml")
     best = plan_fleet(cfg, fleet_pools("2xmeasured"), batches=4, final_batches=8, measured=cost).best

@@ -66,7 +66,8 @@ def test_real_bench_measures_colocated_the_pair_ceiling_and_async1(tmp_path) -> 
     small = ["rollout.prompts_per_batch=4", "schedule.fragment_groups=2", "schedule.train_pack=16"]
     report = run_real_bubbles(["colocated", "async1"], num_batches=3, out=tmp_path, overrides=small)
     rows = {r["scenario"]: r for r in report["rows"]}
-    assert list(rows) == ["real-colocated", "real-colocated-1thread", "real-2x1thread", "real-async1"]
+    assert list(rows) == ["real-colocated", "real-colocated-1thread", "real-2x1thread", "real-async1",
+                          "real-async1-fine"]
     pair = rows["real-2x1thread"]
     assert len(pair["samples_per_s_processes"]) == 2 and pair["samples_per_s"] == sum(pair["samples_per_s_processes"])
     assert all(r["samples_per_s"] > 0 for r in rows.values())
@@ -78,3 +79,39 @@ def test_real_bench_measures_colocated_the_pair_ceiling_and_async1(tmp_path) -> 
     assert report["calibration"]["source"].startswith("this run's 1-thread colocated phases")
     assert json.loads((tmp_path / "bubbles.json").read_text())["rows"][2]["scenario"] == "real-2x1thread"
     assert (tmp_path / "gantt-real.png").is_file()
+
+
+def test_real_bench_writes_the_plan_costs_it_measured(tmp_path) -> None:
+    """costs version 2 in bubbles.json: each figure against what the runs' own traces (or the model) say."""
+    import statistics
+
+    import torch
+
+    from digenrl.config import load_config
+    from digenrl.policy import build_model
+    from digenrl.recipes.bench_real import DEFAULT_CONFIG
+
+    small = ["rollout.prompts_per_batch=4", "schedule.fragment_groups=2", "schedule.train_pack=16"]
+    report = run_real_bubbles(["async1"], num_batches=3, out=tmp_path, overrides=small)
+    assert [r["scenario"] for r in report["rows"]] == ["real-async1", "real-async1-fine"]
+    cal = report["calibration"]
+    cost = MeasuredCost.from_calibration(cal)  # what `plan --costs` reads: complete
+    spans: dict[str, list[float]] = {}
+    for run in ("real-async1", "real-async1-fine"):
+        events = json.loads((tmp_path / run / "trace.json").read_text())["traceEvents"]
+        for e in events:
+            if e.get("ph") == "X":
+                spans.setdefault(e["cat"], []).append(e["dur"] / 1e6)
+    # one trainer: its optimizer step and publication are the median of the runs' optim / publish spans
+    assert cost.fits["optim"][0] == pytest.approx(statistics.median(spans["optim"]), rel=1e-3)
+    assert cost.fits["publish"][0] == pytest.approx(statistics.median(spans["publish"]), rel=1e-3)
+    # the all-reduce moved the trainable set's gradients (fp32 LoRA here)
+    _, params = build_model(load_config(DEFAULT_CONFIG, small))
+    assert cal["allreduce"]["bytes"] == sum(p.numel() * p.element_size() for p in params)
+    assert all(p.dtype == torch.float32 for p in params)
+    assert 0 < cal["allreduce"]["seconds_2"] == pytest.approx(cost.allreduce.seconds(2))
+    # the per-token overhead: positive, and below a median compute token (it is the gap, not the work)
+    assert 0 < cal["dispatch_s"] < statistics.median(spans["rollout"] + spans["train"])
+    # the fine run had smaller tokens, so the fits see two sizes; the error the planner uses is the rows' worst
+    assert cal["plan_error"] == pytest.approx(max(abs(r["sim_error_plan_costs"]) for r in report["rows"]))
+    assert json.loads((tmp_path / "bubbles.json").read_text())["calibration"]["costs_version"] == 2

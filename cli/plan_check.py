@@ -1,0 +1,162 @@
+"""``digenrl bench bubbles --real --plan-check``: does the planner's choice for this machine win for real?
+
+1. **Calibrate**: ``run_real_bubbles`` with the config's own schedule (and its fine-token run) measures
+   the costs ``plan --costs`` reads (``recipes/measure_costs.py``) and the simulator's error with them.
+2. **Plan**: ``plan_fleet`` for this machine (``Nxmeasured``, N = the config's rollout + trainer actors)
+   with those costs and that error as the tolerance, exactly as ``digenrl plan CONFIG --fleet
+   Nxmeasured --costs bubbles.json`` would.
+3. **Run**: the planner's best ``top`` placements (and the shipped one, always) for real, each as
+   ``digenrl plan --write`` would configure it, in ``repeats`` interleaved rounds; the median run counts.
+4. **Verdict**: ``agrees`` when the planner's first choice is of the split (rollout / trainer devices)
+   whose best placement measured the highest median samples/s; ``agrees_exactly`` when the first choice
+   itself did (token sizes included: placements of one split often differ by less than the noise).
+
+Nothing here is tuned to one config: it plans and runs whatever the config (and ``--set``) says, so it
+can be rerun after the config's train settings change.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+from digenrl.config import load_config
+from digenrl.errors import ConfigError
+from digenrl.recipes.bench_real import DEFAULT_CONFIG, _load, run_actors, run_real_bubbles
+from digenrl.sim.measured import MeasuredCost
+from digenrl.telemetry.stats import summarize
+
+__all__ = ["run_plan_check", "candidate_overrides"]
+
+
+def candidate_overrides(cand: Any) -> list[str]:
+    """The ``--set`` overrides that run a plan candidate (what ``plan --write`` changes, less the GPU type)."""
+    return [f"placement.rollout={sum(cand.rollout.values())}", f"placement.trainer={sum(cand.trainer.values())}",
+            f"schedule.tag_steps={cand.tag_steps}", f"schedule.fragment_groups={cand.fragment_groups}",
+            f"train.rows_per_pass={cand.rows_per_pass}"]
+
+
+def run_plan_check(config: Path = DEFAULT_CONFIG, overrides: list[str] | None = None, num_batches: int = 8,
+                   repeats: int = 3, top: int = 3, out: Path | None = None) -> dict[str, Any]:
+    """Calibrate, plan and run the planner's candidates for real (see the module docstring).
+
+    Returns:
+        ``calibration`` (the costs planned with), ``plan`` (the planner's output), ``candidates`` (each
+        with its planner rank, predicted and measured samples/s and every run), ``agrees``,
+        ``first_choice`` and ``measured_best`` (indices into ``candidates``) and ``first_vs_best``
+        (the first choice's measured samples/s over the best's).
+
+    Raises:
+        ConfigError: a bad config, a colocated schedule (nothing to place), or ``top < 1``.
+    """
+    import tempfile
+
+    from digenrl.plan.fleet import plan_fleet
+    from digenrl.sim.user import fleet_pools
+
+    if top < 1:
+        raise ConfigError(f"top={top}: needs at least 1")
+    overrides = list(overrides or [])
+    base = [*overrides, f"train.iterations={num_batches}", "log.image_every=0", "log.checkpoint_every=0"]
+    cfg = load_config(config, base)
+    if not cfg.disaggregated:
+        raise ConfigError(f"schedule.name = {cfg.schedule.name!r}: the plan check places actors; use an actor schedule")
+    tmp = tempfile.TemporaryDirectory() if out is None else None
+    root = Path(tmp.name) if tmp is not None else out
+    assert root is not None
+    try:
+        start = time.perf_counter()
+        bench = run_real_bubbles([cfg.schedule.name], num_batches, root / "calibration", config=config,
+                                 overrides=overrides, repeats=repeats)
+        cal = bench["calibration"]
+        costs = MeasuredCost.from_calibration(cal)
+        tolerance = float(cal["plan_error"])
+        fleet = f"{cfg.placement.rollout + cfg.placement.trainer}xmeasured"
+        plan = plan_fleet(load_config(config, overrides), fleet_pools(fleet), top=top, measured=costs,
+                          tolerance=tolerance, per_split=True)
+        # the top placements, the shipped one, and the best of every other split (so every split is tried)
+        chosen = list(plan.candidates)
+        chosen += [c for c in plan.split_best if all(c.ident != k.ident for k in chosen)]
+        runs: list[list[float]] = [[] for _ in chosen]
+        loads: list[list[float]] = [[] for _ in chosen]
+        for rnd in range(repeats):
+            for i, cand in enumerate(chosen):
+                run_cfg = load_config(config, [*base, *candidate_overrides(cand)])
+                loads[i].append(_load())
+                result, _, _ = run_actors(run_cfg, root / f"candidate-{i}" / f"r{rnd}")
+                runs[i].append(summarize(result).steady.samples_per_s)
+        rows: list[dict[str, Any]] = []
+        for i, (cand, sps) in enumerate(zip(chosen, runs, strict=True)):
+            median = statistics.median(sps)
+            rows.append({"planner_rank": i + 1, "split": cand.split, "shipped": cand.shipped,
+                         "tag_steps": cand.tag_steps, "fragment_groups": cand.fragment_groups,
+                         "rows_per_pass": cand.rows_per_pass, "overrides": candidate_overrides(cand),
+                         "predicted_samples_per_s": cand.samples_per_s, "measured_samples_per_s": median,
+                         "samples_per_s_runs": sps, "sim_error": cand.samples_per_s / median - 1.0 if median else None,
+                         "busy_cores_before": loads[i]})
+        best = max(range(len(rows)), key=lambda i: rows[i]["measured_samples_per_s"])
+        report = {"agrees_exactly": best == 0, "measured_best_split": rows[best]["split"],"config": str(config), "overrides": overrides, "fleet": fleet, "num_batches": num_batches,
+                  "repeats": repeats, "calibration": cal, "tolerance": tolerance, "plan": plan.to_json(),
+                  "candidates": rows, "first_choice": 0, "measured_best": best, "agrees": rows[best]["split"] == rows[0]["split"],
+                  "first_vs_best": rows[0]["measured_samples_per_s"] / rows[best]["measured_samples_per_s"],
+                  "wall_s": time.perf_counter() - start,
+                  "definitions": {
+                      "agrees": "the planner's first choice is of the split whose best placement measured the highest "
+                                "median steady samples/s among those run (the planner's top placements, the shipped "
+                                "one and the best placement of every other split)",
+                      "agrees_exactly": "the first choice itself measured the highest median samples/s",
+                      "sim_error": "predicted (planner, measured costs) / measured median - 1",
+                      "tolerance": "the simulator's measured error with these costs (calibration.plan_error): the "
+                                   "shipped placement stays first unless another is predicted faster by more"}}
+        if out is not None:
+            (out / "plan-check.json").write_text(json.dumps(report, indent=1))
+        return report
+    finally:
+        if tmp is not None:
+            tmp.cleanup()
+
+
+def main(config: Path | None, overrides: list[str], num_batches: int, repeats: int, top: int,
+         out: Path | None) -> None:
+    """The command: run the check, print the table and the verdict; exit 1 when the planner disagrees."""
+    import typer
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(width=max(Console().width, 150))
+    try:
+        report = run_plan_check(config or DEFAULT_CONFIG, overrides, num_batches, repeats, top, out)
+    except ConfigError as exc:
+        console.print(f"[red]error:[/red] {exc}")
+        raise typer.Exit(2) from exc
+    table = Table(title=f"digenrl bench bubbles --real --plan-check ({report['fleet']}, {num_batches} batches, median "
+                        f"of {repeats}; tolerance {report['tolerance']:.1%} = the simulator's measured error)")
+    for col in ("rank", "placement", "tag_steps", "frag_groups", "predicted", "measured", "runs", "sim error"):
+        table.add_column(col, justify="left" if col == "placement" else "right")
+    for i, r in enumerate(report["candidates"]):
+        mark = " *" if i == report["measured_best"] else ""
+        table.add_row(str(r["planner_rank"]), r["split"] + (" (shipped)" if r["shipped"] else ""), str(r["tag_steps"]),
+                      str(r["fragment_groups"]), f"{r['predicted_samples_per_s']:.1f}",
+                      f"{r['measured_samples_per_s']:.1f}{mark}", " ".join(f"{v:.0f}" for v in r["samples_per_s_runs"]),
+                      f"{r['sim_error']:+.1%}" if r["sim_error"] is not None else "-")
+    console.print(table)
+    for note in report["plan"]["notes"]:
+        console.print(f"note: {note}")
+    best = report["candidates"][report["measured_best"]]
+    first = report["candidates"][0]
+    ratio = (f"the first choice measured {report['first_vs_best']:.3f}x the best placement ({best['split']}, tag_steps "
+             f"{best['tag_steps']}, fragment_groups {best['fragment_groups']})")
+    if report["agrees_exactly"]:
+        console.print(f"[green]agrees[/green]: the planner's first choice ({first['split']}, tag_steps "
+                      f"{first['tag_steps']}) is the measured best")
+    elif report["agrees"]:
+        console.print(f"[green]agrees[/green] on the split ({first['split']}): {ratio}")
+    else:
+        console.print(f"[red]disagrees[/red]: the best split measured is {best['split']}; {ratio}")
+    if out is not None:
+        console.print(f"wrote {out / 'plan-check.json'}")
+    if not report["agrees"]:
+        raise typer.Exit(1)
