@@ -50,6 +50,8 @@ def bubbles(
                                     "with them, run the planner's top placements (and the shipped one) for real and "
                                     "say whether its first choice is the measured best (exit 1 if not)."),
     top: int = typer.Option(3, "--top", min=1, help="--plan-check: how many of the planner's placements to run."),
+    costs: Path = typer.Option(None, "--costs", help="--plan-check: plan with this `bench bubbles --real` report's "
+                               "costs (its bubbles.json) instead of measuring them first."),
 ) -> None:
     """Simulate scenarios x schedules (or, with --real, measure them on this machine): samples/s, speedup,
     bubble ratios, staleness, sync share."""
@@ -59,7 +61,7 @@ def bubbles(
         if not real:
             typer.secho("--plan-check runs real placements: add --real", fg=typer.colors.RED, err=True)
             raise typer.Exit(2)
-        check(config, set_ or [], batches, repeats, top, out)
+        check(config, set_ or [], batches, repeats, top, out, costs)
         return
     if real:
         _real(schedule or None, batches, out, repeats, config, set_ or [])

@@ -40,8 +40,12 @@ def candidate_overrides(cand: Any) -> list[str]:
 
 
 def run_plan_check(config: Path = DEFAULT_CONFIG, overrides: list[str] | None = None, num_batches: int = 8,
-                   repeats: int = 3, top: int = 3, out: Path | None = None) -> dict[str, Any]:
+                   repeats: int = 3, top: int = 3, out: Path | None = None, costs: Path | None = None
+                   ) -> dict[str, Any]:
     """Calibrate, plan and run the planner's candidates for real (see the module docstring).
+
+    ``costs``: plan with this ``bench bubbles --real`` report's costs (its ``bubbles.json``) instead of
+    measuring them first (step 1), e.g. a report of the same config just measured.
 
     Returns:
         ``calibration`` (the costs planned with), ``plan`` (the planner's output), ``candidates`` (each
@@ -67,15 +71,20 @@ def run_plan_check(config: Path = DEFAULT_CONFIG, overrides: list[str] | None = 
     tmp = tempfile.TemporaryDirectory() if out is None else None
     root = Path(tmp.name) if tmp is not None else out
     assert root is not None
+    root.mkdir(parents=True, exist_ok=True)
     try:
         start = time.perf_counter()
-        bench = run_real_bubbles([cfg.schedule.name], num_batches, root / "calibration", config=config,
-                                 overrides=overrides, repeats=repeats)
-        cal = bench["calibration"]
-        costs = MeasuredCost.from_calibration(cal)
-        tolerance = float(cal["plan_error"])
+        if costs is None:
+            bench = run_real_bubbles([cfg.schedule.name], num_batches, root / "calibration", config=config,
+                                     overrides=overrides, repeats=repeats)
+            cal = bench["calibration"]
+        else:
+            MeasuredCost.from_report(costs)  # the checks and errors of `plan --costs`
+            cal = json.loads(costs.read_text())["calibration"]
+        measured = MeasuredCost.from_calibration(cal)
+        tolerance = float(cal.get("plan_error") or 0.0)
         fleet = f"{cfg.placement.rollout + cfg.placement.trainer}xmeasured"
-        plan = plan_fleet(load_config(config, overrides), fleet_pools(fleet), top=top, measured=costs,
+        plan = plan_fleet(load_config(config, overrides), fleet_pools(fleet), top=top, measured=measured,
                           tolerance=tolerance, per_split=True)
         # the top placements, the shipped one, and the best of every other split (so every split is tried)
         chosen = list(plan.candidates)
@@ -98,7 +107,8 @@ def run_plan_check(config: Path = DEFAULT_CONFIG, overrides: list[str] | None = 
                          "samples_per_s_runs": sps, "sim_error": cand.samples_per_s / median - 1.0 if median else None,
                          "busy_cores_before": loads[i]})
         best = max(range(len(rows)), key=lambda i: rows[i]["measured_samples_per_s"])
-        report = {"agrees_exactly": best == 0, "measured_best_split": rows[best]["split"],"config": str(config), "overrides": overrides, "fleet": fleet, "num_batches": num_batches,
+        report = {"costs": str(costs) if costs else "measured by this check (calibration/bubbles.json)",
+                  "agrees_exactly": best == 0, "measured_best_split": rows[best]["split"],"config": str(config), "overrides": overrides, "fleet": fleet, "num_batches": num_batches,
                   "repeats": repeats, "calibration": cal, "tolerance": tolerance, "plan": plan.to_json(),
                   "candidates": rows, "first_choice": 0, "measured_best": best, "agrees": rows[best]["split"] == rows[0]["split"],
                   "first_vs_best": rows[0]["measured_samples_per_s"] / rows[best]["measured_samples_per_s"],
@@ -120,7 +130,7 @@ def run_plan_check(config: Path = DEFAULT_CONFIG, overrides: list[str] | None = 
 
 
 def main(config: Path | None, overrides: list[str], num_batches: int, repeats: int, top: int,
-         out: Path | None) -> None:
+         out: Path | None, costs: Path | None = None) -> None:
     """The command: run the check, print the table and the verdict; exit 1 when the planner disagrees."""
     import typer
     from rich.console import Console
@@ -128,7 +138,7 @@ def main(config: Path | None, overrides: list[str], num_batches: int, repeats: i
 
     console = Console(width=max(Console().width, 150))
     try:
-        report = run_plan_check(config or DEFAULT_CONFIG, overrides, num_batches, repeats, top, out)
+        report = run_plan_check(config or DEFAULT_CONFIG, overrides, num_batches, repeats, top, out, costs)
     except ConfigError as exc:
         console.print(f"[red]error:[/red] {exc}")
         raise typer.Exit(2) from exc

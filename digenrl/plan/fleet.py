@@ -16,6 +16,9 @@ device type), and ranks them by predicted steady samples/s:
 3. ``rows_per_pass``: the simulator's cost does not depend on it (a pass's launch latency is small
    next to its compute), so it is the largest the trainer's memory allows, capped at a training
    token's rows: fewer passes, no memory risk.
+4. **The shipped placement** (the config's own split and token sizes, when the fleet is the size the
+   config places) is always a finalist and stays first unless another is predicted faster by more than
+   ``tolerance``, the simulator's measured error (``plan --costs``: the report's ``plan_error``).
 
 Candidates are priced with linear activation traces (two traced batch sizes per curve): on the meta
 device a pass's peak is exactly affine in its batch (every activation scales with it; a test compares
@@ -330,12 +333,11 @@ def plan_fleet(cfg: Config, pools: tuple[Pool, ...], *, top: int = 5, batches: i
         shipped.shipped = True
         finalists = [c for c in finalists if c.ident != shipped.ident] + [shipped]
     if per_split:
-        idents = {c.ident for c in finalists}
-        for split in {(c.ident[0], c.ident[1]) for c in unique}:
-            first = next(c for c in unique if (c.ident[0], c.ident[1]) == split)
-            if first.ident not in idents:
-                finalists.append(first)
-                idents.add(first.ident)
+        splits = {c.ident[:2] for c in finalists}
+        for c in unique:  # best first: the first of each split not among the finalists yet
+            if c.ident[:2] not in splits:
+                splits.add(c.ident[:2])
+                finalists.append(c)
     final = replace(workload, num_batches=final_batches)
     for cand in finalists:
         run(cand, sum(cand.rollout.values()), final)
@@ -361,7 +363,7 @@ def plan_fleet(cfg: Config, pools: tuple[Pool, ...], *, top: int = 5, batches: i
     split_best: list[Candidate] = []
     if per_split:
         for c in unique:
-            if all((b.ident[0], b.ident[1]) != (c.ident[0], c.ident[1]) for b in split_best):
+            if all(b.ident[:2] != c.ident[:2] for b in split_best):
                 split_best.append(c)
     return FleetPlan(shown, simulations, unused, notes, split_best)
 

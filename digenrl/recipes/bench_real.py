@@ -23,6 +23,13 @@ tokens, so what is left is the schedule and driver dynamics (overlap, waits, pip
 The colocated row's simulator input is its own phase timings, so its ``sim_error`` is near zero by
 construction.
 
+With an actor schedule the report also carries the costs ``digenrl plan --costs`` reads (costs
+version 2, ``recipes/measure_costs.py``): per-kind fits over every actor run's tokens, to which the
+first actor schedule at finer tokens (row ``real-<schedule>-fine``) adds a second token size, the
+coordinator's per-token overhead, one trainer's optimizer step, the publication and a measured
+2-process all-reduce of the trainable set; and ``plan_error``, the largest |error| of the simulator
+with those costs over the actor rows, which the planner takes as its tolerance.
+
 With ``colocated`` it also runs ``real-2x1thread``: two independent single-thread colocated runs in
 two processes at once, their samples/s summed. No schedule of two one-thread actor processes can
 beat that on this machine (no exchange, no bubble; two busy processes share caches and memory
