@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -20,8 +21,11 @@ import pytest
 
 from digenrl.actors import ActorSystem
 from digenrl.config import load_config
-from digenrl.errors import JoinRefused
-from digenrl.recipes.disaggregated import arun_disaggregated
+from digenrl.errors import ConfigError, JoinRefused
+from digenrl.recipes.disaggregated import actor_plan, arun_disaggregated
+from digenrl.recipes.late_rollout import LateRollouts
+from digenrl.roles.coordinator import Coordinator
+from digenrl.schedule.base import Device
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "configs" / "tiny-qwenimage.toml"
@@ -120,3 +124,30 @@ async def test_a_system_refuses_a_join_its_policy_turns_away() -> None:
         assert proc.returncode == 3 and asked == ["turned-away"] and system.workers == []
         assert err.decode().strip().endswith(
             "digenrl worker: the system refused this worker: no room here (placement.max_rollout = 1)")
+
+
+async def test_a_run_without_max_rollout_refuses_a_late_worker_and_says_how_to_allow_it() -> None:
+    cfg = load_config(CONFIG, ["schedule.name=async1"])
+    devices = [Device(name, role) for name, role, _, _ in actor_plan(cfg)]
+    async with ActorSystem(address="tcp://127.0.0.1:0") as system:
+        coordinator = Coordinator(cfg, "async1", devices, {}, ["a prompt"])
+        late = LateRollouts(cfg, system, coordinator)
+        late.install()
+        proc = _worker(system.address, "uninvited")
+        _, err = await asyncio.get_running_loop().run_in_executor(None, proc.communicate, None, 60)
+        await late.aclose()
+    assert proc.returncode == 3 and system.workers == []
+    assert ("refused this worker: this run takes no workers once it runs (placement.max_rollout = 0); start it with "
+            "placement.max_rollout > placement.rollout = 1 to let rollout actors join it") in err.decode()
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    (["placement.rollout=2", "placement.max_rollout=1"], "placement.max_rollout: must be 0 (no late joins) or >= "
+                                                          "placement.rollout = 2, got 1"),
+    (["placement.max_rollout=2", "transport.actors=inproc"], "placement.max_rollout = 2: rollout actors join a running "
+                                                              "run as worker processes"),
+    (["placement.max_rollout=2", "schedule.name=colocated"], "needs an actor schedule (not colocated)"),
+])
+def test_max_rollout_is_validated(overrides: list[str], message: str) -> None:
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_config(CONFIG, overrides)
