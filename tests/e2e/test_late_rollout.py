@@ -43,10 +43,10 @@ def _worker(address: str, name: str) -> subprocess.Popen[bytes]:
 async def test_rollout_actor_joining_mid_run_gets_the_current_version_before_its_first_token(
         tmp_path: Path, lane: str) -> None:
     address = f"ipc://{tmp_path}/run.ipc"
-    cfg = load_config(CONFIG, ["schedule.name=async1", "rollout.prompts_per_batch=8", "schedule.fragment_groups=4",
-                               "schedule.train_pack=32", "train.iterations=5", "log.image_every=0",
-                               "log.checkpoint_every=0", "train.check_parity=true", "placement.max_rollout=2",
-                               f"transport.address={address}", f"transport.weights={lane}"])
+    common = ["schedule.name=async1", "rollout.prompts_per_batch=8", "schedule.fragment_groups=4",
+              "schedule.train_pack=32", "train.iterations=5", "log.image_every=0", "log.checkpoint_every=0",
+              "train.check_parity=true", f"transport.weights={lane}"]
+    cfg = load_config(CONFIG, [*common, "placement.max_rollout=2", f"transport.address={address}"])
     events: list[tuple[str, Any]] = []  # dispatches and the admission, in the order the coordinator saw them
     admitted = asyncio.Event()
     procs: list[subprocess.Popen[bytes]] = []
@@ -82,6 +82,11 @@ async def test_rollout_actor_joining_mid_run_gets_the_current_version_before_its
     assert [m["step"] for m in history] == [0, 1, 2, 3, 4]
     assert all(m["rows_trained"] == ROWS and m["max_staleness"] <= 1 for m in history)
     assert all(m["parity_rows"] > 0 and m["parity_logp_diff_max"] < 1e-4 for m in history)
+    # Every sample is seeded by its id, whichever actor makes it: the run learns exactly as without the join.
+    alone = await arun_disaggregated(load_config(CONFIG, common), write_files=False)
+    keys = ("reward_mean", "reward_std", "grad_norm", "policy_loss", "approx_kl", "rows_trained")
+    for a, b in zip(alone, history, strict=True):
+        assert {k: b[k] for k in keys} == pytest.approx({k: a[k] for k in keys}, rel=1e-6, abs=1e-9)
 
     # The admission: the newest published versions (two, for staleness 1) reached it first.
     kinds = [kind for kind, _ in events]
