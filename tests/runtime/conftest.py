@@ -24,12 +24,16 @@ async def no_leaks():
     """Assert that a test closed every process, socket/fd, asyncio task and worker thread it made."""
     fds = _fds()
     tasks = asyncio.all_tasks()
+    # Children alive before the test are not its leaks (e.g. multiprocessing's resource tracker, which an
+    # earlier test's spawn pool starts and which lives as long as this process).
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
     yield
     me = asyncio.current_task()
     deadline = time.monotonic() + 5.0
     while True:  # threads of abandoned compute calls and pipes of reaped children go away shortly
         await asyncio.sleep(0.05)
-        children = [p for p in psutil.Process().children(recursive=True) if p.status() != psutil.STATUS_ZOMBIE]
+        children = [p for p in psutil.Process().children(recursive=True)
+                    if p.pid not in before and p.status() != psutil.STATUS_ZOMBIE]
         stray = [t for t in asyncio.all_tasks() - tasks if t is not me and not t.done()]
         leaked = sorted(_fds() - fds)
         threads = _digenrl_threads()
