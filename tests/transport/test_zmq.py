@@ -117,6 +117,31 @@ async def test_shm_lane_reuses_segment_after_release_and_leaks_nothing() -> None
     assert our_segments() == before
 
 
+@pytest.mark.parametrize("copy", ["memmove", "torch"])
+async def test_shm_lane_copies_strided_and_mixed_tensors_bit_exact(copy: str) -> None:
+    """Both ways ShmPool.write copies (libc memmove, the default, and torch's copy_) land the same bytes."""
+    a, b = make_transport("zmq", ipc()), make_transport("zmq", ipc())
+    try:
+        await a.send(b.address, {}, {"warm": torch.zeros(1 << 18)})  # opens the pool (1 MiB)
+        del (await b.recv()).payload
+        pool = a._peers[b.address].pool
+        assert pool is not None
+        pool.copy = copy
+        g = torch.Generator().manual_seed(0)
+        payload = {"t": torch.randn(1024, 768, generator=g).t(),  # strided: copied through a contiguous temporary
+                   "bf16": torch.randn(3 << 19, generator=g).to(torch.bfloat16),
+                   "i64": torch.arange(1 << 18, dtype=torch.int64)[::2],
+                   "empty": torch.empty(0, 4)}
+        await a.send(b.address, {}, payload)
+        got = (await b.recv()).payload
+        assert set(got) == set(payload) and a.stats["shm_fallback"] == 0
+        for k, v in payload.items():
+            assert got[k].dtype == v.dtype and got[k].shape == v.shape and torch.equal(got[k], v), k
+    finally:
+        await a.aclose()
+        await b.aclose()
+
+
 async def test_shm_pool_full_falls_back_to_frames() -> None:
     a = make_transport("zmq", ipc(), shm_pool_bytes=2 << 20)
     b = make_transport("zmq", ipc())
