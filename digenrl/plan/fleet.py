@@ -191,9 +191,17 @@ def plan_fleet(cfg: Config, pools: tuple[Pool, ...], *, top: int = 5, batches: i
         if len({p.device for p in pools}) > 1:
             raise ConfigError("--costs: measured costs are those of one machine; plan a fleet of one device type "
                               f"with them (got {', '.join(sorted({p.device for p in pools}))})")
+        fits = measured.fits
+        extra = [f"per-token overhead {measured.dispatch_s * 1e3:.2f} ms"]
+        if "optim" in fits:
+            extra.append(f"optimizer step {fits['optim'][0] * 1e3:.1f} ms"
+                         + (f" + all-reduce {measured.allreduce.seconds(2) * 1e3:.2f} ms for 2 trainers"
+                            if measured.allreduce else ""))
+        if "publish" in fits:
+            extra.append(f"publication {fits['publish'][0] * 1e3:.1f} ms")
         notes[0] = (f"simulated with the token costs measured by `bench bubbles --real` on this device type "
-                    f"({', '.join(f'{k} {v[1] * 1e3:.3f} ms/unit' for k, v in sorted(measured.fits.items()) if v[1])}); "
-                    f"memory from {cfg.model.name} at its configured resolution")
+                    f"({', '.join(f'{k} {o * 1e3:.2f} ms + {p * 1e3:.3f} ms/unit' for k, (o, p) in sorted(fits.items()) if p)}"
+                    f"; {', '.join(extra)}); memory from {cfg.model.name} at its configured resolution")
     ref = device_spec("H800").peak_bf16_flops
     if cfg.model.name == "wan21" and cfg.model.variant == "1.3B":
         notes.append("the simulator's Wan profile is the 14B model: samples/s are those of 14B compute, memory is 1.3B's")

@@ -17,7 +17,9 @@ with them (costs version 2, ``sim/measured.py``):
 
 from __future__ import annotations
 
+import json
 import statistics
+import sys
 import time
 from typing import Any
 
@@ -29,6 +31,7 @@ __all__ = ["measure_allreduce", "plan_costs"]
 
 
 def _allreduce_worker(rank: int, address: str, shapes: list[tuple[list[int], str]], reps: int) -> tuple[float, float]:
+    """One rank: a one-element all-reduce and one of the trainable set's gradients, medians of ``reps``."""
     import torch
 
     from digenrl.roles.rollout import limit_threads
@@ -56,10 +59,18 @@ def _allreduce_worker(rank: int, address: str, shapes: list[tuple[list[int], str
         group.close()
 
 
-def measure_allreduce(cfg: Config, reps: int = 30) -> AllReduce:
-    """The trainer group's gradient all-reduce of ``cfg``'s trainable set between two processes, measured."""
-    import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor
+def measure_allreduce(cfg: Config, reps: int = 30, timeout_s: float = 120.0) -> AllReduce:
+    """The trainer group's gradient all-reduce of ``cfg``'s trainable set between two processes, measured.
+
+    The two ranks are plain subprocesses (``python -m digenrl.recipes.measure_costs RANK JOB.json``, the
+    timings on stdout): no multiprocessing helper process outlives the measurement.
+
+    Raises:
+        RuntimeError: a rank failed or did not finish within ``timeout_s`` (its stderr in the message).
+    """
+    import subprocess
+    import tempfile
+    from pathlib import Path
 
     import torch.distributed as dist
 
@@ -69,11 +80,27 @@ def measure_allreduce(cfg: Config, reps: int = 30) -> AllReduce:
     shapes = [(list(p.shape), str(p.dtype).removeprefix("torch.")) for p in params]
     nbytes = sum(p.numel() * p.element_size() for p in params)
     store = dist.TCPStore("127.0.0.1", 0, 3, is_master=True, wait_for_workers=False)  # the rendezvous, loopback
-    address = f"127.0.0.1:{store.port}"
-    with ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("spawn")) as pool:
-        futures = [pool.submit(_allreduce_worker, rank, address, shapes, reps) for rank in range(2)]
-        small, full = futures[0].result()
-    return AllReduce.from_timings(nbytes, small, full)
+    job = {"address": f"127.0.0.1:{store.port}", "shapes": shapes, "reps": reps}
+    outputs = []
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "job.json"
+        path.write_text(json.dumps(job))
+        procs = [subprocess.Popen([sys.executable, "-m", "digenrl.recipes.measure_costs", str(rank), str(path)],
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in range(2)]
+        try:
+            for proc in procs:
+                out, err = proc.communicate(timeout=timeout_s)
+                if proc.returncode != 0:
+                    raise RuntimeError(f"all-reduce measurement rank failed (exit {proc.returncode}): {err[-2000:]}")
+                outputs.append(json.loads(out.strip().splitlines()[-1]))
+        except subprocess.TimeoutExpired as exc:
+            raise RuntimeError(f"all-reduce measurement did not finish in {timeout_s:.0f} s") from exc
+        finally:
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+    return AllReduce.from_timings(nbytes, *outputs[0])
 
 
 def plan_costs(tokens: list[tuple[Token, float]], overheads: list[float], allreduce: AllReduce) -> MeasuredCost:
@@ -94,3 +121,9 @@ def plan_costs(tokens: list[tuple[Token, float]], overheads: list[float], allred
     fits = {**fitted.fits, "optim": (max(0.0, statistics.median(steps)), 0.0),
             "publish": (statistics.median(publishes) if publishes else 0.0, 0.0)}
     return MeasuredCost(fits, statistics.median(overheads) if overheads else 0.0, allreduce)
+
+
+if __name__ == "__main__":  # one rank of measure_allreduce: RANK JOB.json; prints [small_s, full_s]
+    with open(sys.argv[2]) as _f:
+        _job = json.load(_f)
+    print(json.dumps(_allreduce_worker(int(sys.argv[1]), _job["address"], _job["shapes"], _job["reps"])))
