@@ -11,9 +11,8 @@ Segment protocol (one pool per sender endpoint and destination):
   * A segment is a file in ``/dev/shm`` named ``digenrl-<pid>-<hex>``; its first ``_HDR`` bytes
     hold a state byte: ``FREE`` (0) or ``BUSY`` (1).
   * The sender picks a FREE segment big enough (or creates one, power-of-two size, pre-faulted),
-    marks it BUSY, copies the tensors in at 64-byte aligned offsets (libc ``memmove`` into the
-    mapping: 0.87x the time of torch's ``copy_`` at 16 MiB here, see ``bench/shm_profile.py``) and
-    sends handles
+    marks it BUSY, copies the tensors in at 64-byte aligned offsets (as fast as a memcpy into a warm
+    buffer: ``bench/shm_profile.py``) and sends handles
     ``{"kind": "shm", "seg": id, "off": o, "n": nbytes[, "name": name]}``; ``name`` only on a
     segment's first use with that destination.
   * The receiver maps a named segment once, unlinks the name (so nothing leaks once mapped) and
@@ -28,7 +27,6 @@ enables this lane automatically only for ``ipc://`` and loopback ``tcp://`` dest
 
 from __future__ import annotations
 
-import ctypes
 import mmap
 import os
 import re
@@ -61,7 +59,6 @@ class _Segment:
     name: str
     mm: mmap.mmap
     size: int  # usable bytes after the header
-    addr: int  # where the mapping starts in this process (fixed while it is mapped)
     announced: bool = False
 
     def free(self) -> bool:
@@ -74,12 +71,9 @@ class ShmPool:
 
     Args:
         max_bytes: the most shared memory this pool may hold (segment sizes summed).
-        copy: how ``write`` copies: ``"memmove"`` (libc, the default) or ``"torch"`` (``copy_``;
-            kept for the benchmark's before/after).
     """
 
     max_bytes: int
-    copy: str = "memmove"
     segments: list[_Segment] = field(default_factory=list)
     next_id: int = 0
 
@@ -109,26 +103,20 @@ class ShmPool:
             mm = mmap.mmap(fd, _HDR + size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
         finally:
             os.close(fd)
-        # The address only (the ctypes view is dropped at once, so no export keeps the mapping from closing).
-        seg = _Segment(self.next_id, name, mm, size, ctypes.addressof(ctypes.c_char.from_buffer(mm)))
+        seg = _Segment(self.next_id, name, mm, size)
         self.next_id += 1
         self.segments.append(seg)
         return seg
 
     def write(self, seg: _Segment, tensors: list[torch.Tensor]) -> list[dict[str, Any]]:
         """Copy ``tensors`` (CPU) into ``seg`` and return their handles (in order)."""
-        out = torch.frombuffer(seg.mm, dtype=torch.uint8) if self.copy == "torch" else None
+        out = torch.frombuffer(seg.mm, dtype=torch.uint8)
         handles: list[dict[str, Any]] = []
         off = _HDR
         for t in tensors:
             flat = t.detach().contiguous().reshape(-1)  # a strided tensor (even 1-D: x[::2]) is copied first
             n = flat.numel() * flat.element_size()
-            if off + n > _HDR + seg.size:  # memmove would write past the mapping: never let it
-                raise ValueError(f"{n} bytes at offset {off} do not fit segment {seg.seg_id} of {seg.size} bytes")
-            if out is not None:
-                out[off : off + n].copy_(flat.view(torch.uint8))
-            elif n:
-                ctypes.memmove(seg.addr + off, flat.data_ptr(), n)
+            out[off : off + n].copy_(flat.view(torch.uint8))
             h: dict[str, Any] = {"kind": "shm", "seg": seg.seg_id, "off": off, "n": n}
             if not seg.announced:
                 h["name"] = seg.name
