@@ -114,6 +114,43 @@ async def test_rollout_actor_joining_mid_run_gets_the_current_version_before_its
     assert "refused this worker: this run has 2 rollout actors, its limit (placement.max_rollout = 2)" in err
 
 
+async def test_a_late_rollout_actor_killed_at_its_first_token_is_dropped_and_the_run_finishes(tmp_path: Path) -> None:
+    """kill -9 of the newcomer the moment it is handed its first token (gloo lane): its work is re-issued,
+    the weight group re-forms without it at the next publication, every row is still trained once."""
+    address = f"ipc://{tmp_path}/run.ipc"
+    cfg = load_config(CONFIG, ["schedule.name=async1", "rollout.prompts_per_batch=8", "schedule.fragment_groups=4",
+                               "schedule.train_pack=32", "train.iterations=5", "log.image_every=0",
+                               "log.checkpoint_every=0", "transport.weights=gloo", "placement.max_rollout=2",
+                               f"transport.address={address}"])
+    admitted = asyncio.Event()
+    procs: list[subprocess.Popen[bytes]] = []
+
+    def on_step(m: dict[str, Any]) -> None:
+        if m["step"] == 1:
+            procs.append(_worker(address, "late"))
+
+    def on_dispatch(device: str, token: dict[str, Any]) -> Any:
+        if device == "rollout-1" and procs[0].poll() is None:
+            procs[0].kill()  # SIGKILL, before the token reaches it
+        elif procs and token["kind"] == "rollout" and not admitted.is_set():
+            return admitted.wait()
+        return None
+
+    try:
+        history = await arun_disaggregated(cfg, tmp_path / "run", on_step=on_step, on_dispatch=on_dispatch,
+                                           on_admit=lambda record: admitted.set())
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+    assert procs[0].returncode == -9
+    assert [m["step"] for m in history] == [0, 1, 2, 3, 4]
+    assert all(m["rows_trained"] == ROWS and m["max_staleness"] <= 1 for m in history)
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert [r["device"] for r in summary["admitted"]] == ["rollout-1"] and summary["lost_devices"] == ["rollout-1"]
+
+
 async def test_a_system_refuses_a_join_its_policy_turns_away() -> None:
     """The runtime part alone: the join policy's JoinRefused reaches the worker, which exits with code 3."""
     async with ActorSystem(address="tcp://127.0.0.1:0") as system:
