@@ -206,7 +206,8 @@ def run_real_bubbles(schedules: list[str] | None = None, num_batches: int = 8, o
         repeats: rounds over all schedules, interleaved (round 1 runs every schedule, then round 2...),
             so a burst of other load on a shared machine hits one run of each, not one schedule's
             every run. Each row reports its median run and lists every run's samples/s.
-        fine_tokens: with an actor schedule, also run the first one at finer tokens (``tag_steps = 1``,
+        fine_tokens: with an actor schedule, also run the config's own (if chosen; else the first) at finer
+            tokens (``tag_steps = 1``,
             a quarter of the fragment size) in every round: row ``real-<schedule>-fine``. Its smaller
             tokens are what lets the plan costs separate a token's fixed cost from its per-unit cost.
 
@@ -239,9 +240,11 @@ def run_real_bubbles(schedules: list[str] | None = None, num_batches: int = 8, o
     root.mkdir(parents=True, exist_ok=True)
     # (row key, schedule, extra overrides): each chosen schedule, then the fine-token calibration run
     specs = [(s, s, ["placement.reward=1"] if s.endswith("+reward") else []) for s in chosen]
-    actor = next((s.removesuffix("+reward") for s in chosen if s != "colocated"), None)
+    probe = load_config(config, base)
+    actors = [s.removesuffix("+reward") for s in chosen if s != "colocated"]
+    # the config's own schedule when it runs here (its TAG helper tokens are what `plan` sizes), else the first
+    actor = probe.schedule.name if probe.schedule.name in actors else next(iter(actors), None)
     if fine_tokens and actor is not None:
-        probe = load_config(config, base)
         groups = max(1, (probe.schedule.fragment_groups or probe.rollout.prompts_per_batch) // 4)
         specs.append((f"{actor}-fine", actor, ["schedule.tag_steps=1", f"schedule.fragment_groups={groups}"]))
     # row key -> one (result, tokens, wall, devices, load, steady samples/s) per round
