@@ -12,7 +12,8 @@
    itself did (token sizes included: placements of one split often differ by less than the noise).
 
 Nothing here is tuned to one config: it plans and runs whatever the config (and ``--set``) says, so it
-can be rerun after the config's train settings change.
+can be rerun after the config's train settings change. It lives with the command because it needs both
+the planner (``digenrl.plan``) and real runs (``digenrl.recipes``), sibling layers.
 """
 
 from __future__ import annotations
@@ -79,9 +80,8 @@ def run_plan_check(config: Path = DEFAULT_CONFIG, overrides: list[str] | None = 
                                      overrides=overrides, repeats=repeats)
             cal = bench["calibration"]
         else:
-            MeasuredCost.from_report(costs)  # the checks and errors of `plan --costs`
-            cal = json.loads(costs.read_text())["calibration"]
-        measured = MeasuredCost.from_calibration(cal)
+            cal = MeasuredCost.read_calibration(costs)
+        measured = MeasuredCost.from_calibration(cal, f"{costs}: calibration" if costs else "calibration")
         tolerance = float(cal.get("plan_error") or 0.0)
         fleet = f"{cfg.placement.rollout + cfg.placement.trainer}xmeasured"
         plan = plan_fleet(load_config(config, overrides), fleet_pools(fleet), top=top, measured=measured,
@@ -108,9 +108,11 @@ def run_plan_check(config: Path = DEFAULT_CONFIG, overrides: list[str] | None = 
                          "busy_cores_before": loads[i]})
         best = max(range(len(rows)), key=lambda i: rows[i]["measured_samples_per_s"])
         report = {"costs": str(costs) if costs else "measured by this check (calibration/bubbles.json)",
-                  "agrees_exactly": best == 0, "measured_best_split": rows[best]["split"],"config": str(config), "overrides": overrides, "fleet": fleet, "num_batches": num_batches,
-                  "repeats": repeats, "calibration": cal, "tolerance": tolerance, "plan": plan.to_json(),
-                  "candidates": rows, "first_choice": 0, "measured_best": best, "agrees": rows[best]["split"] == rows[0]["split"],
+                  "agrees": rows[best]["split"] == rows[0]["split"], "agrees_exactly": best == 0,
+                  "measured_best_split": rows[best]["split"], "config": str(config), "overrides": overrides,
+                  "fleet": fleet, "num_batches": num_batches, "repeats": repeats, "calibration": cal,
+                  "tolerance": tolerance, "plan": plan.to_json(), "candidates": rows, "first_choice": 0,
+                  "measured_best": best,
                   "first_vs_best": rows[0]["measured_samples_per_s"] / rows[best]["measured_samples_per_s"],
                   "wall_s": time.perf_counter() - start,
                   "definitions": {

@@ -156,12 +156,12 @@ class MeasuredCost:
             raise ConfigError(f"{where}.measured_costs lacks {sorted(need - fits.keys())}")
         return cls(fits, dispatch, allreduce)
 
-    @classmethod
-    def from_report(cls, path: str | Path) -> MeasuredCost:
-        """The calibration a ``bench bubbles --real`` report (``bubbles.json``) holds.
+    @staticmethod
+    def read_calibration(path: str | Path) -> dict[str, Any]:
+        """The ``calibration`` table of a ``bench bubbles --real`` report (``bubbles.json``), unchecked.
 
         Raises:
-            ConfigError: the file is missing, not JSON, has no ``calibration``, or is an old (version 1) report.
+            ConfigError: the file is missing, not JSON, or has no ``calibration`` table.
         """
         p = Path(path)
         try:
@@ -173,13 +173,22 @@ class MeasuredCost:
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise ConfigError(f"{p}: not a `digenrl bench bubbles --real` report (calibration: "
                               f"{type(exc).__name__}: {exc})") from exc
-        return cls.from_calibration(cal, f"{p}: calibration")
+        return cal
+
+    @classmethod
+    def from_report(cls, path: str | Path) -> MeasuredCost:
+        """The calibration a ``bench bubbles --real`` report (``bubbles.json``) holds.
+
+        Raises:
+            ConfigError: the file is missing, not JSON, has no ``calibration``, or is an old (version 1) report.
+        """
+        return cls.from_calibration(cls.read_calibration(path), f"{Path(path)}: calibration")
 
     @staticmethod
     def report_error(path: str | Path) -> float | None:
         """The simulator's measured error the report states for these costs (``calibration.plan_error``)."""
         try:
-            value = json.loads(Path(path).read_text())["calibration"].get("plan_error")
-        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            value = MeasuredCost.read_calibration(path).get("plan_error")
+        except ConfigError:
             return None
         return float(value) if isinstance(value, int | float) else None
