@@ -31,6 +31,9 @@ ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "configs" / "tiny-qwenimage.toml"
 DIGENRL = Path(sys.executable).with_name("digenrl")
 ROWS = 8 * 8 * 1  # prompts x group x trained steps of one logical batch (as test_disaggregated)
+# a short async1 run: 5 steps of 8 prompts in 4 fragment groups
+SHORT = ["schedule.name=async1", "rollout.prompts_per_batch=8", "schedule.fragment_groups=4", "schedule.train_pack=32",
+         "train.iterations=5", "log.image_every=0", "log.checkpoint_every=0"]
 
 
 def _worker(address: str, name: str) -> subprocess.Popen[bytes]:
@@ -43,9 +46,7 @@ def _worker(address: str, name: str) -> subprocess.Popen[bytes]:
 async def test_rollout_actor_joining_mid_run_gets_the_current_version_before_its_first_token(
         tmp_path: Path, lane: str) -> None:
     address = f"ipc://{tmp_path}/run.ipc"
-    common = ["schedule.name=async1", "rollout.prompts_per_batch=8", "schedule.fragment_groups=4",
-              "schedule.train_pack=32", "train.iterations=5", "log.image_every=0", "log.checkpoint_every=0",
-              "train.check_parity=true", f"transport.weights={lane}"]
+    common = [*SHORT, "train.check_parity=true", f"transport.weights={lane}"]
     cfg = load_config(CONFIG, [*common, "placement.max_rollout=2", f"transport.address={address}"])
     events: list[tuple[str, Any]] = []  # dispatches and the admission, in the order the coordinator saw them
     admitted = asyncio.Event()
@@ -118,9 +119,7 @@ async def test_a_late_rollout_actor_killed_at_its_first_token_is_dropped_and_the
     """kill -9 of the newcomer the moment it is handed its first token (gloo lane): its work is re-issued,
     the weight group re-forms without it at the next publication, every row is still trained once."""
     address = f"ipc://{tmp_path}/run.ipc"
-    cfg = load_config(CONFIG, ["schedule.name=async1", "rollout.prompts_per_batch=8", "schedule.fragment_groups=4",
-                               "schedule.train_pack=32", "train.iterations=5", "log.image_every=0",
-                               "log.checkpoint_every=0", "transport.weights=gloo", "placement.max_rollout=2",
+    cfg = load_config(CONFIG, [*SHORT, "transport.weights=gloo", "placement.max_rollout=2",
                                f"transport.address={address}"])
     admitted = asyncio.Event()
     procs: list[subprocess.Popen[bytes]] = []
