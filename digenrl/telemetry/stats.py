@@ -10,7 +10,15 @@ Definitions (DESIGN.md §2):
 - Two windows are reported. ``steady`` (the headline figure) starts when batch 0's optimizer step
   ends, so the pipeline's fill during the first batch (warm-up) is excluded; it ends at the last
   optimizer step. ``full`` is ``[0, wall]``.
-- ``samples_per_s`` over a window = samples of the batches whose optimizer step ends in it / its length.
+- ``samples_per_s`` over a window = the samples whose compute the window holds / its length: every
+  trained batch (one with an optimizer step) is credited its samples x the share of its compute
+  device-seconds that lie inside the window. Counting whole batches whose optimizer step ends in the
+  window credited it with work done before it starts: a pipeline's first batches carry more of the
+  next batch's work than its steady state does (async1, tiny Qwen-Image at 3 steps, 1 rollout + 1
+  trainer: batch 1 had 2x the steady lead done by the end of batch 0's step), so an 8-batch window
+  read 2.4% above what two fully busy devices can do. Credited by work, a window's samples/s is at
+  most (1 - bubble) x devices / (device-seconds per sample): the drain after the last rollout
+  counts, as a bubble, in both. Over ``[0, wall]`` it is every trained sample.
 - ``max_staleness`` = max over ROLLOUT spans of ``batch - policy_version``.
 - ``weight_sync_share`` / ``switch_share`` = device-seconds in PUBLISH / SWITCH spans over
   device-seconds of the window (devices x length).
@@ -22,7 +30,7 @@ from dataclasses import asdict, dataclass
 
 from typing import Any
 
-from digenrl.telemetry.spans import Span, Timeline, busy_seconds
+from digenrl.telemetry.spans import COMPUTE_KINDS, Span, Timeline, busy_seconds
 
 __all__ = ["WindowStats", "RunStats", "summarize", "run_stats"]
 
@@ -69,16 +77,30 @@ def _window(result: Timeline, by_device: dict[str, list[Span]], start: float, en
         vals = [bubbles[d.name] for d in result.devices if d.role in roles]
         return sum(vals) / len(vals) if vals else 0.0
 
-    batches = [k for k, t in result.optim_end.items() if start < t <= end + 1e-9]
-    if start == 0.0:
-        batches = list(result.optim_end)
-    samples = len(batches) * result.workload.samples_per_batch
+    samples = result.workload.samples_per_batch * _batches_worked(result, start, end)
     n = len(result.devices)
     return WindowStats(
         start, end, samples / length,
         mean(_ROLLOUT_SIDE), mean(_TRAINER_SIDE),
         sum(bubbles.values()) / n, sync / (n * length), switch / (n * length),
     ), bubbles
+
+
+def _batches_worked(result: Timeline, start: float, end: float) -> float:
+    """Trained batches' worth of compute inside ``[start, end]``: each batch's share of its compute there."""
+    total: dict[int, float] = {}
+    inside: dict[int, float] = {}
+    for s in result.spans:
+        if s.kind in COMPUTE_KINDS and s.batch in result.optim_end:
+            total[s.batch] = total.get(s.batch, 0.0) + (s.end - s.start)
+            inside[s.batch] = inside.get(s.batch, 0.0) + max(0.0, min(s.end, end) - max(s.start, start))
+    worked = 0.0
+    for batch, t in result.optim_end.items():
+        if total.get(batch, 0.0) > 0.0:
+            worked += inside[batch] / total[batch]
+        elif start == 0.0 or start < t <= end + 1e-9:  # no compute recorded: the batch where its step ends
+            worked += 1.0
+    return worked
 
 
 def summarize(result: Timeline) -> RunStats:
