@@ -199,6 +199,10 @@ def plan_fleet(cfg: Config, pools: tuple[Pool, ...], *, top: int = 5, batches: i
                             if measured.allreduce else ""))
         if "publish" in fits:
             extra.append(f"publication {fits['publish'][0] * 1e3:.1f} ms")
+        if measured.contention is not None:
+            c = measured.contention
+            extra.append(f"{c.cores} cores shared, slowdown " + ", ".join(
+                f"{f:.2f}x at {n} busy" for n, f in sorted(c.slowdown.items())))
         notes[0] = (f"simulated with the token costs measured by `bench bubbles --real` on this device type "
                     f"({', '.join(f'{k} {o * 1e3:.2f} ms + {p * 1e3:.3f} ms/unit' for k, (o, p) in sorted(fits.items()) if p)}"
                     f"; {', '.join(extra)}); memory from {cfg.model.name} at its configured resolution")
@@ -287,7 +291,8 @@ def plan_fleet(cfg: Config, pools: tuple[Pool, ...], *, top: int = 5, batches: i
                                  **{k: v for k, v in cfg.schedule_options.items() if k not in ("tag_steps",
                                                                                                "fragment_groups")},
                                  **({"staleness": cfg.schedule.staleness} if cfg.schedule.staleness else {}))
-        res = simulate(schedule, devices, w, cost)
+        # measured on one host: its processes share its cores as the bench measured (None: each owns its compute)
+        res = simulate(schedule, devices, w, cost, contention=measured.contention if measured else None)
         st = summarize(res)
         simulations += 1
         cand.bubble_by_pool = pool_bubbles(res, sorted(set(order)), st.steady.start, st.steady.end)

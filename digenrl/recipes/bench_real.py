@@ -13,13 +13,17 @@ over the steady window (batch 0's optimizer step excluded), with per-actor bubbl
 ``sim_error``: the simulator's predicted steady samples/s for the same schedule, devices and workload,
 relative to the measured one (``predicted / measured - 1``). The simulator is calibrated from this
 bench run itself, never from another machine's figures: with ``colocated`` in the run, from the
-one-thread colocated loop's phase timings (rollout, decode + reward, train per unit) slowed by the
-two-process contention the ``real-2x1thread`` pair measured in the same round — a prediction made
-before looking at any actor run. Two more errors separate the causes: ``sim_error_token_fit`` with
-:class:`MeasuredCost` fitting ``overhead + seconds x units`` per token kind (units: sample-steps,
-samples, rows) to every token the actor runs executed (pooled over all schedules; without
-``colocated`` this is ``sim_error``), and ``sim_error_self_calibrated`` fitted to that run's own
-tokens, so what is left is the schedule and driver dynamics (overlap, waits, pipelining) alone.
+one-thread colocated loop's phase timings (rollout, decode + reward, train per unit) and the core
+contention (``sim/contention.py``) that ``k`` independent one-thread colocated runs at once
+(``real-2x1thread``, and ``real-3x1thread`` when a row runs 3 actor processes) measured in the same
+round: the simulator slows every busy device by the slowdown measured for the number busy at that
+moment — a prediction made before looking at any actor run. Two more errors separate the causes:
+``sim_error_token_fit`` with :class:`MeasuredCost` fitting ``overhead + seconds x units`` per token
+kind (units: sample-steps, samples, rows) to every token the actor runs executed (pooled over all
+schedules, each token's seconds taken back to its process alone with the measured contention, which
+the simulator then applies; without ``colocated`` the raw seconds, and this is ``sim_error``), and
+``sim_error_self_calibrated`` fitted to that run's own tokens as measured (no contention model), so
+what is left is the schedule and driver dynamics (overlap, waits, pipelining) alone.
 The colocated row's simulator input is its own phase timings, so its ``sim_error`` is near zero by
 construction.
 
@@ -34,7 +38,9 @@ With ``colocated`` it also runs ``real-2x1thread``: two independent single-threa
 two processes at once, their samples/s summed. No schedule of two one-thread actor processes can
 beat that on this machine (no exchange, no bubble; two busy processes share caches and memory
 bandwidth, which a lone one-thread run does not show), so it is the ceiling to read the actor rows
-against: how far a schedule is from it is the schedule's own loss.
+against: how far a schedule is from it is the schedule's own loss. ``real-3x1thread`` (three such
+runs; only when a row runs three actor processes) is no ceiling: it measures how three busy processes
+share this machine's cores, for the contention model.
 """
 
 from __future__ import annotations
@@ -53,6 +59,7 @@ from digenrl.config import ACTOR_SCHEDULES, load_config
 from digenrl.errors import ConfigError
 from digenrl.schedule import make_schedule
 from digenrl.schedule.base import Device, Role, Token, Workload
+from digenrl.sim.contention import Contention, alone_seconds, host_cores
 from digenrl.sim.engine import simulate
 from digenrl.recipes.measure_costs import measure_allreduce, plan_costs
 from digenrl.sim.measured import MeasuredCost
@@ -91,14 +98,25 @@ def _colocated_rate(cfg: Any) -> float:
     return _colocated(cfg, cfg.train.iterations)[0]["samples_per_s"]
 
 
-def _two_processes(cfg: Any) -> list[float]:
-    """Steady samples/s of each of two single-thread colocated runs started together in two processes."""
+def _processes(cfg: Any, count: int) -> list[float]:
+    """Steady samples/s of each of ``count`` single-thread colocated runs started together in as many processes."""
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
     one = dataclasses.replace(cfg, placement=dataclasses.replace(cfg.placement, threads=1))
-    with ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("spawn")) as pool:
-        return list(pool.map(_colocated_rate, [one, one]))
+    with ProcessPoolExecutor(count, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return list(pool.map(_colocated_rate, [one] * count))
+
+
+def _contention(one_sps: float, rates: dict[int, list[float]]) -> Contention:
+    """The slowdown of ``k`` busy processes: a lone run's samples/s over the mean of ``k`` runs at once."""
+    return Contention(host_cores(), {k: one_sps / (sum(r) / k) for k, r in rates.items() if all(r) and r})
+
+
+def _actor_processes(cfg: Any) -> int:
+    """Actor processes a disaggregated run of ``cfg`` keeps (one per rollout, trainer and reward actor)."""
+    p = cfg.placement
+    return p.rollout + p.trainer + p.reward
 
 
 def _cpu_times() -> tuple[float, float] | None:
@@ -177,7 +195,7 @@ def _simulated(schedule: str, devices: list[Device], workload: Workload, cost: M
                options: dict[str, Any] | None = None) -> Timeline:
     """The simulator's run of ``schedule`` with the token sizes the real run had (``options``: the config's)."""
     sched = make_schedule(schedule, devices, workload, cost, **(options or {}))
-    return simulate(sched, devices, workload, cost)  # type: ignore[arg-type]
+    return simulate(sched, devices, workload, cost, contention=cost.contention)  # type: ignore[arg-type]
 
 
 def sim_options(cfg: Any) -> dict[str, Any]:
@@ -252,7 +270,10 @@ def run_real_bubbles(schedules: list[str] | None = None, num_batches: int = 8, o
     overheads: list[float] = []  # every compute token's per-token overhead, all actor runs
     options: dict[str, dict[str, Any]] = {}  # row key -> the schedule options its runs used
     coloc: dict[str, list[dict[str, Any]]] = {}  # colocated scenario -> one row per round
-    predictors: list[tuple[float, MeasuredCost]] = []  # per round: (1-thread samples/s, its contended costs)
+    predictors: list[tuple[float, MeasuredCost]] = []  # per round: (1-thread samples/s, its costs + contention)
+    # the busy-process counts to measure: 2 (the ceiling) up to the most actor processes a row runs
+    counts = range(2, max([2, *(_actor_processes(load_config(config, [*base, *extra])) for s, _, extra in specs
+                                 if s != "colocated")]) + 1)
     rows: list[dict[str, Any]] = []
     try:
         for rnd in range(repeats):
@@ -275,17 +296,19 @@ def run_real_bubbles(schedules: list[str] | None = None, num_batches: int = 8, o
                         row["threads"] = threads
                         row["busy_cores_before"] = load
                         coloc.setdefault(row["scenario"], []).append(row)
-                    start, load = time.perf_counter(), _load()
-                    rates = _two_processes(cfg)
-                    # One actor process = one thread, slowed as much as two busy processes slow each other.
-                    one_sps = row["samples_per_s"]
-                    predictors.append((one_sps, cost.scaled(one_sps / (sum(rates) / 2)) if all(rates) else cost))
-                    pair = {**row, "scenario": "real-2x1thread", "devices": 2, "samples_per_s": sum(rates),
-                            "samples_per_s_processes": rates, "wall_s": time.perf_counter() - start,
-                            "bubble_per_actor": {"2 independent processes, 1 thread each": 0.0},
-                            "sim_samples_per_s": None, "sim_error": None, "busy_cores_before": load, "threads": 1,
-                            "full": None, "tokens": None}
-                    coloc.setdefault(pair["scenario"], []).append(pair)
+                    # One actor process = one thread, slowed as much as k busy processes slow each other.
+                    one_sps, rates = row["samples_per_s"], {}
+                    for k in counts:
+                        start, load = time.perf_counter(), _load()
+                        rates[k] = _processes(cfg, k)
+                        group = {**row, "scenario": f"real-{k}x1thread", "devices": k, "samples_per_s": sum(rates[k]),
+                                 "samples_per_s_processes": rates[k], "wall_s": time.perf_counter() - start,
+                                 "bubble_per_actor": {f"{k} independent processes, 1 thread each": 0.0},
+                                 "sim_samples_per_s": None, "sim_error": None, "busy_cores_before": load,
+                                 "threads": 1, "full": None, "tokens": None,
+                                 "slowdown": one_sps / (sum(rates[k]) / k) if all(rates[k]) else None}
+                        coloc.setdefault(group["scenario"], []).append(group)
+                    predictors.append((one_sps, dataclasses.replace(cost, contention=_contention(one_sps, rates))))
                     continue
                 options[sched] = sim_options(cfg)
                 start, load = time.perf_counter(), _load()
@@ -299,13 +322,18 @@ def run_real_bubbles(schedules: list[str] | None = None, num_batches: int = 8, o
             row["samples_per_s_runs"] = [r["samples_per_s"] for r in cand]
             colocated_row = colocated_row or row
             rows.append(row)
-        every_token = [t for rs in runs.values() for run in rs for t in run[1]]
-        pooled = MeasuredCost.fit(every_token)
-        predictor = _median(predictors, lambda p: p[0])[1] if predictors else pooled
+        predictor = _median(predictors, lambda p: p[0])[1] if predictors else None
+        contention = predictor.contention if predictor else None
+        # each token's seconds alone on the host (the simulator applies the contention of each moment again)
+        every_token = [t for rs in runs.values() for run in rs
+                       for t in (alone_seconds(run[1], run[0].spans, contention) if contention else run[1])]
+        pooled = dataclasses.replace(MeasuredCost.fit(every_token), contention=contention)
+        predictor = predictor or pooled
         planned = None
         if runs:
             first = load_config(config, [*base, f"schedule.name={actor}"])
-            planned = plan_costs(every_token, overheads, measure_allreduce(first))
+            planned = dataclasses.replace(plan_costs(every_token, overheads, measure_allreduce(first)),
+                                          contention=contention)
         results = []
         for sched, rs in runs.items():
             result, tokens, wall, devices, load, sps = _median(rs, lambda r: r[5])
@@ -326,10 +354,12 @@ def run_real_bubbles(schedules: list[str] | None = None, num_batches: int = 8, o
         for r in rows:
             r["speedup_vs_colocated"] = r["samples_per_s"] / base_sps if base_sps else None
             r["speedup_vs_colocated_1thread"] = r["samples_per_s"] / one if one else None
-        source = ("this run's 1-thread colocated phases x the 2x1thread contention (median round)" if predictors
-                  else "pooled real tokens of this run's actor schedules")
+        source = ("this run's 1-thread colocated phases with the contention its <k>x1thread rows measured "
+                  "(median round)" if predictors else "pooled real tokens of this run's actor schedules")
         calibration: dict[str, Any] = {"colocated_costs": predictor.to_dict(), "source": source,
                                        "token_fit": pooled.to_dict()}
+        if contention is not None:
+            calibration["contention"] = contention.to_dict()
         if planned is not None:
             calibration.update(planned.to_calibration())
             calibration["plan_error"] = max(abs(r["sim_error_plan_costs"]) for r in rows if "sim_error_plan_costs" in r)
@@ -354,6 +384,10 @@ def run_real_bubbles(schedules: list[str] | None = None, num_batches: int = 8, o
                       "colocated": "the single-process loop with placement.threads torch threads",
                       "real-2x1thread": "two independent 1-thread colocated runs at once, samples/s summed: the "
                                         "ceiling of any schedule of two 1-thread processes on this machine",
+                      "real-<k>x1thread": "k independent 1-thread colocated runs at once (k up to the most actor "
+                                          "processes a row runs); slowdown = the 1-thread run's samples/s / the "
+                                          "mean of the k: calibration.contention, what the simulator slows each "
+                                          "of k busy devices by (sim/contention.py)",
                       "samples_per_s_runs": "every round's samples/s (repeats); the row is the median run",
                       "busy_cores_before": "cores busy with other processes just before the run (/proc/stat "
                                            "over 0.5 s): rows measured at different loads are not comparable"}}

@@ -15,6 +15,11 @@ SWITCH span and is not reported to the schedule as the token's own run time.
 arrive and regenerate them (veRL-Omni v0.3, issues #586/#610): when a PUBLISH ends, every ROLLOUT
 token running on a rollout device starts over; the work thrown away becomes an ``abort`` span
 (overhead, not compute) and the token ends that much later.
+
+``contention`` models devices that are single-thread processes sharing a CPU host's cores
+(:mod:`digenrl.sim.contention`): the engine then runs on a work clock, every busy device advancing at
+``1 / contention.factor(busy devices)``, and maps every time back to wall seconds at the end. Without
+it work and wall seconds are the same and nothing is mapped.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import heapq
 
 from digenrl.errors import DigenrlError
 from digenrl.schedule.base import Device, Role, Schedule, Token, TokenDone, TokenKind, Workload
+from digenrl.sim.contention import Contention, WallClock
 from digenrl.sim.cost import CostModel
 from digenrl.telemetry.spans import Span, Timeline
 
@@ -34,7 +40,8 @@ class SimulationError(DigenrlError):
 
 
 def simulate(schedule: Schedule, devices: list[Device], workload: Workload, cost: CostModel,
-             max_tokens: int = 50_000_000, sync_aborts: bool = False) -> Timeline:
+             max_tokens: int = 50_000_000, sync_aborts: bool = False,
+             contention: Contention | None = None) -> Timeline:
     """Run ``schedule`` to completion on a virtual clock.
 
     Args:
@@ -44,6 +51,7 @@ def simulate(schedule: Schedule, devices: list[Device], workload: Workload, cost
         cost: predicts each token's seconds.
         max_tokens: safety bound against a schedule that never finishes.
         sync_aborts: every weight publication restarts the rollouts in flight (see the module docstring).
+        contention: the devices share a host's cores (see the module docstring); ``None``: each owns its compute.
 
     Raises:
         SimulationError: a token names an unknown or busy device, the schedule stalls (no token
@@ -56,6 +64,8 @@ def simulate(schedule: Schedule, devices: list[Device], workload: Workload, cost
     spans: list[Span] = []
     rollout_span: dict[int, int] = {}  # token id -> index of its span (sync_aborts only)
     optim_end: dict[int, float] = {}
+    clock = WallClock(contention) if contention is not None else None
+    began: dict[int, float] = {}  # token id -> work time its own run began (after a switch; contention only)
     seq = 0
     now = 0.0
 
@@ -81,6 +91,8 @@ def simulate(schedule: Schedule, devices: list[Device], workload: Workload, cost
                     start += extra
             seconds = cost.seconds(token, device)
             end = start + seconds
+            if clock is not None:
+                began[token.id] = start
             if sync_aborts and token.kind is TokenKind.ROLLOUT and device.role is Role.ROLLOUT:
                 rollout_span[token.id] = len(spans)
             for name in occupied:
@@ -94,6 +106,9 @@ def simulate(schedule: Schedule, devices: list[Device], workload: Workload, cost
     issued = len(heap)
     while heap:
         now, _, seconds, token = heapq.heappop(heap)
+        if clock is not None:
+            clock.advance(now, len(busy))  # busy: the devices that ran since the previous event
+            seconds = clock.wall(now) - clock.wall(began.pop(token.id))  # what a real driver observes
         for name in token.devices:
             del busy[name]
         if token.kind is TokenKind.OPTIM:
@@ -111,6 +126,10 @@ def simulate(schedule: Schedule, devices: list[Device], workload: Workload, cost
         launch(new)
     if not schedule.done:
         raise SimulationError(f"schedule {schedule.name!r} stalled at t={now:.3f}s: nothing running and not done")
+    if clock is not None:
+        spans = [s._replace(start=clock.wall(s.start), end=clock.wall(s.end)) for s in spans]
+        optim_end = {b: clock.wall(t) for b, t in optim_end.items()}
+        now = clock.wall(now)
     return Timeline(schedule.name, list(devices), workload, spans, now, issued, optim_end)
 
 

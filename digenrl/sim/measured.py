@@ -13,7 +13,10 @@ split and the token sizes and that one placement's compute tokens do not show (c
 - ``optim``: one trainer's optimizer step, plus ``allreduce`` (bytes, bandwidth, latency measured over
   the trainer group's backend) priced by :func:`~digenrl.schedule.cost.ring_allreduce_seconds` for a
   group of several trainers;
-- ``publish``: one weight publication.
+- ``publish``: one weight publication;
+- ``contention`` (optional): how the host's busy single-thread processes slow each other
+  (:mod:`digenrl.sim.contention`); with it the fits are a process's seconds alone and the simulator
+  applies the slowdown of each moment's busy devices.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from typing import Any
 from digenrl.errors import ConfigError
 from digenrl.schedule.base import Device, Token, TokenKind
 from digenrl.schedule.cost import ring_allreduce_seconds
+from digenrl.sim.contention import Contention
 
 __all__ = ["MeasuredCost", "AllReduce", "COSTS_VERSION"]
 
@@ -68,13 +72,14 @@ class AllReduce:
 class MeasuredCost:
     """A cost estimate fitted to measured tokens: ``seconds = overhead + per_unit x units`` per kind.
 
-    ``fits["optim"]`` is one trainer's step (overhead), ``fits["publish"]`` one publication; ``dispatch_s``
-    and ``allreduce`` as the module docstring says (0 / ``None``: not measured, not charged).
+    ``fits["optim"]`` is one trainer's step (overhead), ``fits["publish"]`` one publication; ``dispatch_s``,
+    ``allreduce`` and ``contention`` as the module docstring says (0 / ``None``: not measured, not charged).
     """
 
     fits: dict[str, tuple[float, float]] = field(default_factory=dict)  # kind -> (overhead, per unit)
     dispatch_s: float = 0.0
     allreduce: AllReduce | None = None
+    contention: Contention | None = None
 
     @classmethod
     def fit(cls, samples: list[tuple[Token, float]]) -> MeasuredCost:
@@ -110,7 +115,7 @@ class MeasuredCost:
     def scaled(self, factor: float) -> MeasuredCost:
         """Every cost ``factor`` times as long (e.g. two busy processes sharing the machine's memory)."""
         return MeasuredCost({k: (o * factor, p * factor) for k, (o, p) in self.fits.items()},
-                            self.dispatch_s * factor, self.allreduce)
+                            self.dispatch_s * factor, self.allreduce, self.contention)
 
     def to_dict(self) -> dict[str, dict[str, float]]:
         """The per-kind fits (``calibration.measured_costs``); see :meth:`to_calibration` for the rest."""
@@ -124,6 +129,8 @@ class MeasuredCost:
             a = self.allreduce
             out["allreduce"] = {"bytes": a.nbytes, "bytes_per_s": a.bytes_per_s, "latency_s": a.latency_s,
                                 "seconds_2": a.seconds(2)}
+        if self.contention is not None:
+            out["contention"] = self.contention.to_dict()
         return out
 
     @classmethod
@@ -154,7 +161,9 @@ class MeasuredCost:
         need = {"rollout", "reward", "train", "optim", "publish"}
         if not fits.keys() >= need:
             raise ConfigError(f"{where}.measured_costs lacks {sorted(need - fits.keys())}")
-        return cls(fits, dispatch, allreduce)
+        contention = cal.get("contention")  # reports before it: each device owns its compute
+        return cls(fits, dispatch, allreduce,
+                   Contention.from_dict(contention, f"{where}.contention") if contention is not None else None)
 
     @staticmethod
     def read_calibration(path: str | Path) -> dict[str, Any]:

@@ -64,10 +64,16 @@ def test_median_run_is_robust_to_one_disturbed_run() -> None:
 @pytest.mark.slow
 def test_real_bench_measures_colocated_the_pair_ceiling_and_async1(tmp_path) -> None:
     small = ["rollout.prompts_per_batch=4", "schedule.fragment_groups=2", "schedule.train_pack=16"]
-    report = run_real_bubbles(["colocated", "async1"], num_batches=3, out=tmp_path, overrides=small)
+    report = run_real_bubbles(["colocated", "async1", "async1+reward"], num_batches=3, out=tmp_path, overrides=small)
     rows = {r["scenario"]: r for r in report["rows"]}
-    assert list(rows) == ["real-colocated", "real-colocated-1thread", "real-2x1thread", "real-async1",
-                          "real-async1-fine"]
+    assert list(rows) == ["real-colocated", "real-colocated-1thread", "real-2x1thread", "real-3x1thread",
+                          "real-async1", "real-async1+reward", "real-async1-fine"]
+    # a row with 3 actor processes: the trio measured beside the pair, both slowdowns in the calibration
+    one, trio = rows["real-colocated-1thread"]["samples_per_s"], rows["real-3x1thread"]
+    assert len(trio["samples_per_s_processes"]) == 3
+    assert trio["slowdown"] == pytest.approx(one / (trio["samples_per_s"] / 3))
+    assert report["calibration"]["contention"]["slowdown"] == {
+        "2": pytest.approx(rows["real-2x1thread"]["slowdown"]), "3": pytest.approx(trio["slowdown"])}
     pair = rows["real-2x1thread"]
     assert len(pair["samples_per_s_processes"]) == 2 and pair["samples_per_s"] == sum(pair["samples_per_s_processes"])
     assert all(r["samples_per_s"] > 0 for r in rows.values())
