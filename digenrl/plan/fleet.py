@@ -203,9 +203,13 @@ def plan_fleet(cfg: Config, pools: tuple[Pool, ...], *, top: int = 5, batches: i
             c = measured.contention
             extra.append(f"{c.cores} cores shared, slowdown " + ", ".join(
                 f"{f:.2f}x at {n} busy" for n, f in sorted(c.slowdown.items())))
+        terms = [f"{k} {o * 1e3:.2f} ms + {p * 1e3:.3f} ms/unit" + (f" + {measured.step_s * 1e3:.3f} ms/step"
+                                                                   if k == "rollout" else "")
+                 for k, (o, p) in sorted(fits.items()) if p]
         notes[0] = (f"simulated with the token costs measured by `bench bubbles --real` on this device type "
-                    f"({', '.join(f'{k} {o * 1e3:.2f} ms + {p * 1e3:.3f} ms/unit' for k, (o, p) in sorted(fits.items()) if p)}"
-                    f"; {', '.join(extra)}); memory from {cfg.model.name} at its configured resolution")
+                    f"({', '.join(terms)}; {', '.join(extra)}); memory from {cfg.model.name} at its configured "
+                    "resolution")
+        notes += [f"measured costs: {n}" for n in measured.notes]
     ref = device_spec("H800").peak_bf16_flops
     if cfg.model.name == "wan21" and cfg.model.variant == "1.3B":
         notes.append("the simulator's Wan profile is the 14B model: samples/s are those of 14B compute, memory is 1.3B's")

@@ -68,7 +68,7 @@ from digenrl.telemetry.stats import summarize
 
 log = logging.getLogger(__name__)
 
-__all__ = ["MeasuredCost", "run_real_bubbles", "run_actors", "REAL_DEFAULT_SCHEDULES", "DEFAULT_CONFIG"]
+__all__ = ["MeasuredCost", "run_real_bubbles", "fine_overrides", "run_actors", "REAL_DEFAULT_SCHEDULES", "DEFAULT_CONFIG"]
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "tiny-qwenimage.toml"
 REAL_DEFAULT_SCHEDULES = ("colocated", "disaggregated", "tag", "async1", "async1+reward")
@@ -208,6 +208,16 @@ def _median(runs: list[Any], key: Any) -> Any:
     return sorted(runs, key=key)[(len(runs) - 1) // 2]
 
 
+def fine_overrides(cfg: Any) -> list[str]:
+    """The fine-token calibration run's overrides: TAG helpers of one step, a quarter of the fragment size.
+
+    With the config's whole-trajectory tokens they vary a rollout token's steps apart from its samples,
+    which the per-step term of the plan costs needs (``MeasuredCost.fit``).
+    """
+    groups = max(1, (cfg.schedule.fragment_groups or cfg.rollout.prompts_per_batch) // 4)
+    return ["schedule.tag_steps=1", f"schedule.fragment_groups={groups}"]
+
+
 def run_real_bubbles(schedules: list[str] | None = None, num_batches: int = 8, out: Path | None = None,
                      config: Path = DEFAULT_CONFIG, overrides: list[str] | None = None,
                      repeats: int = 1, fine_tokens: bool = True) -> dict[str, Any]:
@@ -231,8 +241,8 @@ def run_real_bubbles(schedules: list[str] | None = None, num_batches: int = 8, o
 
     Returns:
         The ``bubbles.json`` content: ``rows``, ``calibration`` and ``definitions``. With an actor
-        schedule, ``calibration`` holds the costs ``plan --costs`` reads (``costs_version`` 2:
-        ``measured_costs`` per kind with ``optim`` and ``publish``, ``dispatch_s``, ``allreduce``; see
+        schedule, ``calibration`` holds the costs ``plan --costs`` reads (``costs_version`` 3:
+        ``measured_costs`` per kind with ``optim`` and ``publish`` (the rollout's with ``per_step_s``), ``dispatch_s``, ``allreduce``; see
         ``recipes/measure_costs.py``) and ``plan_error``, the largest |error| of the simulator with
         those costs over the actor rows (each row's ``sim_error_plan_costs``).
 
@@ -263,8 +273,7 @@ def run_real_bubbles(schedules: list[str] | None = None, num_batches: int = 8, o
     # the config's own schedule when it runs here (its TAG helper tokens are what `plan` sizes), else the first
     actor = probe.schedule.name if probe.schedule.name in actors else next(iter(actors), None)
     if fine_tokens and actor is not None:
-        groups = max(1, (probe.schedule.fragment_groups or probe.rollout.prompts_per_batch) // 4)
-        specs.append((f"{actor}-fine", actor, ["schedule.tag_steps=1", f"schedule.fragment_groups={groups}"]))
+        specs.append((f"{actor}-fine", actor, fine_overrides(probe)))
     # row key -> one (result, tokens, wall, devices, load, steady samples/s) per round
     runs: dict[str, list[tuple[Timeline, list[tuple[Token, float]], float, list[Device], float, float]]] = {}
     overheads: list[float] = []  # every compute token's per-token overhead, all actor runs

@@ -3,9 +3,11 @@
 A plan compares splits and token sizes the bench did not run, so its costs must price what changes
 with them (costs version 2, ``sim/measured.py``):
 
-* per-kind ``overhead + per_unit x units``: least squares over every actor run's tokens, the bench's
-  fine-token calibration run included (its smaller tokens are what separates the fixed part of a
-  token from its per-unit part);
+* per-kind ``overhead + per_unit x units`` (+ ``step_s x steps`` for a rollout token): non-negative least
+  squares over every actor run's tokens, the bench's fine-token calibration run included. Its tokens
+  are what separates a token's parts: a quarter of the fragment size (fewer samples per step call) and
+  TAG helpers of one step against the other runs' whole-trajectory tokens (steps varied apart from
+  samples);
 * ``dispatch_s``: the median per-token overhead the coordinator measured (``Coordinator.overhead_log``);
 * ``optim``: the median optimizer step of one trainer (real OPTIM tokens of one-trainer runs; with only
   group runs, their median less the all-reduce);
@@ -120,7 +122,8 @@ def plan_costs(tokens: list[tuple[Token, float]], overheads: list[float], allred
         raise ValueError("plan costs need real rollout, reward, train and optimizer tokens")
     fits = {**fitted.fits, "optim": (max(0.0, statistics.median(steps)), 0.0),
             "publish": (statistics.median(publishes) if publishes else 0.0, 0.0)}
-    return MeasuredCost(fits, statistics.median(overheads) if overheads else 0.0, allreduce)
+    return MeasuredCost(fits, statistics.median(overheads) if overheads else 0.0, allreduce, step_s=fitted.step_s,
+                        notes=fitted.notes)
 
 
 if __name__ == "__main__":  # one rank of measure_allreduce: RANK JOB.json; prints [small_s, full_s]

@@ -4,7 +4,10 @@
 ``recipes/bench_real.py``); ``digenrl plan --fleet --costs bubbles.json`` plans with it, so a split
 for the machine the bench ran on is chosen from what that machine measured, not from a GPU profile.
 
-Besides the per-kind linear fits (``overhead + per_unit x units``), a plan needs what changes with the
+Per token kind a linear fit, ``overhead + per_unit x units``; a ROLLOUT token also pays ``step_s`` per
+denoising step it runs, whatever its sample count (the transformer call and its launches per step of a
+batch), so finer tokens (fewer samples per step call, e.g. TAG helpers of one fragment) cost what they
+do (costs version 3). Besides these, a plan needs what changes with the
 split and the token sizes and that one placement's compute tokens do not show (costs version 2):
 
 - ``dispatch_s``: the per-token overhead a device pays beyond its compute (the call's trip and the
@@ -35,8 +38,14 @@ from digenrl.sim.contention import Contention
 __all__ = ["MeasuredCost", "AllReduce", "COSTS_VERSION"]
 
 # 2: dispatch_s, optim, publish and the trainer-group all-reduce measured (version 1 files priced none of them)
-COSTS_VERSION = 2
+# 3: the rollout's per-step term (measured_costs.rollout.per_step_s); version 2 priced every sample-step alike
+COSTS_VERSION = 3
 _COMPUTE = (TokenKind.ROLLOUT, TokenKind.REWARD, TokenKind.TRAIN)
+# Fit columns (the token's fixed overhead, its units, its steps) and the subsets tried, in order of
+# preference on equal residuals. Every subset keeps the per-unit term (work costs time; a fit without it
+# would make larger tokens free); a term the tokens cannot tell apart from another is dropped.
+_INTERCEPT, _UNITS, _STEPS = 0, 1, 2
+_SUBSETS = {"rollout": ((0, 1, 2), (0, 1), (1, 2), (1,)), "other": ((0, 1), (1,))}
 
 
 def _units(token: Token) -> float:
@@ -47,6 +56,58 @@ def _units(token: Token) -> float:
     if token.kind is TokenKind.TRAIN:
         return float(token.transitions)
     return 1.0
+
+
+def _steps(token: Token) -> float:
+    return float(token.step_end - token.step_start)
+
+
+def _solve(cols: list[list[float]], ys: list[float]) -> list[float] | None:
+    """Least squares coefficients of ``ys`` on ``cols``; ``None`` when the columns are not independent."""
+    scale = [max(map(abs, c)) or 1.0 for c in cols]  # columns of ~1 and ~100s: normalise before the normal equations
+    xs = [[v / k for v in c] for c, k in zip(cols, scale, strict=True)]
+    n = len(xs)
+    a = [[sum(p * q for p, q in zip(xs[i], xs[j], strict=True)) for j in range(n)]
+         + [sum(p * y for p, y in zip(xs[i], ys, strict=True))] for i in range(n)]
+    for i in range(n):  # Gauss-Jordan with partial pivoting
+        piv = max(range(i, n), key=lambda r: abs(a[r][i]))
+        if abs(a[piv][i]) <= 1e-9 * len(ys):
+            return None
+        a[i], a[piv] = a[piv], a[i]
+        for r in range(n):
+            if r != i:
+                f = a[r][i] / a[i][i]
+                a[r] = [u - f * v for u, v in zip(a[r], a[i], strict=True)]
+    return [a[i][n] / a[i][i] / scale[i] for i in range(n)]
+
+
+def _fit_kind(kind: str, pts: list[tuple[float, float, float]]) -> tuple[tuple[float, float, float], str]:
+    """Non-negative least squares of seconds on (1, units[, steps]): the least residual over the column
+    subsets (``_SUBSETS``) whose own least squares is non-negative, which is the optimum with non-negative terms.
+
+    Returns ``(overhead, per_unit, per_step)`` and a note when a term could not be told apart (empty if all fit).
+    """
+    ys = [p[2] for p in pts]
+    columns = {_INTERCEPT: [1.0] * len(pts), _UNITS: [p[0] for p in pts], _STEPS: [p[1] for p in pts]}
+    subsets = _SUBSETS["rollout" if kind == "rollout" else "other"]
+    feasible: list[tuple[float, list[float]]] = []  # (residual, coefficients), in order of preference
+    for subset in subsets:
+        coef = _solve([columns[c] for c in subset], ys)
+        if coef is None or min(coef) < 0:
+            continue
+        full = [0.0, 0.0, 0.0]
+        for c, v in zip(subset, coef, strict=True):
+            full[c] = v
+        feasible.append((sum((y - full[0] - full[1] * u - full[2] * k) ** 2 for u, k, y in pts), full))
+    if not feasible:  # no unit of work at all (units 0): a constant
+        return (statistics.fmean(ys), 0.0, 0.0), ""
+    least = min(r for r, _ in feasible)
+    chosen = next(f for r, f in feasible if r <= least * (1 + 1e-9) + 1e-18 * len(pts))
+    note = ""
+    if kind == "rollout" and _solve([columns[c] for c in subsets[0]], ys) is None:
+        note = ("rollout: the tokens' steps do not vary independently of their samples (or one step count), so "
+                "the per-step term is not identified: fitted overhead + per sample-step only")
+    return (chosen[0], chosen[1], chosen[2]), note
 
 
 @dataclass(frozen=True)
@@ -70,39 +131,49 @@ class AllReduce:
 
 @dataclass(frozen=True)
 class MeasuredCost:
-    """A cost estimate fitted to measured tokens: ``seconds = overhead + per_unit x units`` per kind.
+    """A cost estimate fitted to measured tokens: ``seconds = overhead + per_unit x units`` per kind, plus
+    ``step_s x steps`` for a ROLLOUT token.
 
     ``fits["optim"]`` is one trainer's step (overhead), ``fits["publish"]`` one publication; ``dispatch_s``,
     ``allreduce`` and ``contention`` as the module docstring says (0 / ``None``: not measured, not charged).
+    ``notes``: what the fit could not identify (see :meth:`fit`).
     """
 
     fits: dict[str, tuple[float, float]] = field(default_factory=dict)  # kind -> (overhead, per unit)
     dispatch_s: float = 0.0
     allreduce: AllReduce | None = None
     contention: Contention | None = None
+    step_s: float = 0.0  # a ROLLOUT token's seconds per denoising step, whatever its sample count
+    notes: tuple[str, ...] = ()
 
     @classmethod
     def fit(cls, samples: list[tuple[Token, float]]) -> MeasuredCost:
-        """Least squares per token kind (overhead clamped at >= 0; one unit size: per-unit mean)."""
-        by: dict[str, list[tuple[float, float]]] = {}
+        """Non-negative least squares per token kind: ``overhead + per_unit x units``, and for ROLLOUT
+        ``+ step_s x steps`` with units = samples x steps.
+
+        The per-step term needs tokens whose steps vary independently of their sample-steps (two step
+        counts, and at one of them two sample counts); without them it is 0 and ``notes`` says so.
+        """
+        by: dict[str, list[tuple[float, float, float]]] = {}
         for token, secs in samples:
-            by.setdefault(token.kind.value, []).append((_units(token), secs))
-        fits = {}
+            by.setdefault(token.kind.value, []).append((_units(token), _steps(token), secs))
+        fits, step_s, notes = {}, 0.0, []
         for kind, pts in by.items():
-            xs, ys = [p[0] for p in pts], [p[1] for p in pts]
-            mx, my = statistics.fmean(xs), statistics.fmean(ys)
-            var = sum((x - mx) ** 2 for x in xs)
-            slope = sum((x - mx) * (y - my) for x, y in pts) / var if var > 0 else 0.0
-            overhead = my - slope * mx
-            if var == 0 or slope <= 0 or overhead < 0:
-                overhead, slope = (0.0, my / mx) if mx > 0 else (my, 0.0)
-            fits[kind] = (overhead, slope)
-        return cls(fits)
+            (overhead, per_unit, per_step), note = _fit_kind(kind, pts)
+            fits[kind] = (overhead, per_unit)
+            if kind == TokenKind.ROLLOUT.value:
+                step_s = per_step
+            if note:
+                notes.append(note)
+        return cls(fits, step_s=step_s, notes=tuple(notes))
 
     def seconds(self, token: Token, device: Device) -> float:
         kind = token.kind
         overhead, per = self.fits.get(kind.value, (1e-3, 0.0))
-        base = max(1e-4, overhead + per * _units(token))
+        base = overhead + per * _units(token)
+        if kind is TokenKind.ROLLOUT:
+            base += self.step_s * _steps(token)
+        base = max(1e-4, base)
         if kind in _COMPUTE:
             base += self.dispatch_s
         elif kind is TokenKind.OPTIM and self.allreduce is not None:
@@ -115,16 +186,21 @@ class MeasuredCost:
     def scaled(self, factor: float) -> MeasuredCost:
         """Every cost ``factor`` times as long (e.g. two busy processes sharing the machine's memory)."""
         return MeasuredCost({k: (o * factor, p * factor) for k, (o, p) in self.fits.items()},
-                            self.dispatch_s * factor, self.allreduce, self.contention)
+                            self.dispatch_s * factor, self.allreduce, self.contention, self.step_s * factor,
+                            self.notes)
 
     def to_dict(self) -> dict[str, dict[str, float]]:
-        """The per-kind fits (``calibration.measured_costs``); see :meth:`to_calibration` for the rest."""
-        return {k: {"overhead_s": o, "per_unit_s": p} for k, (o, p) in self.fits.items()}
+        """The per-kind fits (``calibration.measured_costs``; the rollout's with ``per_step_s``); see
+        :meth:`to_calibration` for the rest."""
+        out = {k: {"overhead_s": o, "per_unit_s": p} for k, (o, p) in self.fits.items()}
+        if TokenKind.ROLLOUT.value in out:
+            out[TokenKind.ROLLOUT.value]["per_step_s"] = self.step_s
+        return out
 
     def to_calibration(self) -> dict[str, Any]:
         """Everything a plan reads back with :meth:`from_calibration`, as ``bubbles.json`` stores it."""
         out: dict[str, Any] = {"costs_version": COSTS_VERSION, "measured_costs": self.to_dict(),
-                               "dispatch_s": self.dispatch_s}
+                               "dispatch_s": self.dispatch_s, "fit_notes": list(self.notes)}
         if self.allreduce is not None:
             a = self.allreduce
             out["allreduce"] = {"bytes": a.nbytes, "bytes_per_s": a.bytes_per_s, "latency_s": a.latency_s,
@@ -138,32 +214,38 @@ class MeasuredCost:
         """Read :meth:`to_calibration`'s dict back.
 
         Raises:
-            ConfigError: a field is missing or malformed (named), or the file predates costs version 2.
+            ConfigError: a field is missing or malformed (named), or the file predates costs version 3.
         """
         version = cal.get("costs_version")
         if version is None or version < COSTS_VERSION:
+            missing = ("the optimizer step, the trainer-group all-reduce, the per-token overhead, the publication "
+                       "and the rollout's per-step cost" if version is None or version < 2
+                       else "the rollout's per-step cost (a step of few samples priced as a fraction of a full one)")
             raise ConfigError(
                 f"{where}.costs_version: {version!r}, need {COSTS_VERSION}: this report was written before `bench "
-                "bubbles --real` measured the optimizer step, the trainer-group all-reduce, the per-token overhead "
-                "and the publication, so a plan from it favours more trainers and finer tokens than this machine "
-                "runs well; rerun `digenrl bench bubbles --real --out DIR` (with an actor schedule) and plan with "
-                "its bubbles.json")
+                f"bubbles --real` measured {missing}, so a plan from it favours finer tokens (and, before version "
+                "2, more trainers) than this machine runs well; rerun `digenrl bench bubbles --real --out DIR` "
+                "(with an actor schedule) and plan with its bubbles.json")
         try:
             costs = cal["measured_costs"]
             fits = {str(k): (float(v["overhead_s"]), float(v["per_unit_s"])) for k, v in costs.items()}
+            roll = TokenKind.ROLLOUT.value
+            step_s = float(costs[roll]["per_step_s"]) if roll in costs else 0.0  # no rollout: named below
+            notes = tuple(str(n) for n in cal["fit_notes"])
             dispatch = float(cal["dispatch_s"])
             a = cal["allreduce"]
             allreduce = AllReduce(float(a["bytes"]), float(a["bytes_per_s"]), float(a["latency_s"]))
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise ConfigError(f"{where}: measured costs malformed or incomplete ({type(exc).__name__}: {exc}); "
-                              "expected measured_costs, dispatch_s and allreduce as `bench bubbles --real` "
-                              "writes them") from exc
+                              "expected measured_costs (the rollout's with per_step_s), dispatch_s, allreduce and "
+                              "fit_notes as `bench bubbles --real` writes them") from exc
         need = {"rollout", "reward", "train", "optim", "publish"}
         if not fits.keys() >= need:
             raise ConfigError(f"{where}.measured_costs lacks {sorted(need - fits.keys())}")
         contention = cal.get("contention")  # reports before it: each device owns its compute
         return cls(fits, dispatch, allreduce,
-                   Contention.from_dict(contention, f"{where}.contention") if contention is not None else None)
+                   Contention.from_dict(contention, f"{where}.contention") if contention is not None else None,
+                   step_s, notes)
 
     @staticmethod
     def read_calibration(path: str | Path) -> dict[str, Any]:

@@ -58,7 +58,7 @@ def test_costs_round_trip_through_a_report_and_old_reports_are_refused(tmp_path:
     # a version-1 report: per-kind fits only (what `bench bubbles --real` wrote before)
     report.write_text(json.dumps({"calibration": {"measured_costs": {
         k: {"overhead_s": 0.0, "per_unit_s": v} for k, v in PER_UNIT.items()}}}))
-    with pytest.raises(ConfigError, match=r"costs_version: None, need 2: .*optimizer step.*rerun `digenrl bench"):
+    with pytest.raises(ConfigError, match=r"costs_version: None, need 3: .*optimizer step.*rerun `digenrl bench"):
         MeasuredCost.from_report(report)
     broken = cost.to_calibration()
     del broken["allreduce"]
@@ -70,7 +70,14 @@ def test_costs_round_trip_through_a_report_and_old_reports_are_refused(tmp_path:
     report.write_text(json.dumps({"calibration": broken}))
     with pytest.raises(ConfigError, match=r"lacks \['optim'\]"):
         MeasuredCost.from_report(report)
-    assert COSTS_VERSION == 2
+    assert COSTS_VERSION == 3
+    # a version-2 report: no per-step term (it would price a step of few samples as a fraction of a full one)
+    v2 = cost.to_calibration() | {"costs_version": 2}
+    del v2["measured_costs"]["rollout"]["per_step_s"]
+    report.write_text(json.dumps({"calibration": v2}))
+    with pytest.raises(ConfigError, match=r"costs_version: 2, need 3: .*per-step cost.*rerun `digenrl bench bubbles "
+                                          r"--real --out DIR`"):
+        MeasuredCost.from_report(report)
 
 
 def test_large_allreduce_keeps_the_planner_off_a_second_trainer() -> None:
@@ -116,3 +123,29 @@ def test_shipped_placement_stays_first_within_the_measured_error() -> None:
     if not exact.best.shipped:
         assert any("kept the shipped placement" in n and "within the simulator's measured error" in n
                    for n in wide.notes)
+
+
+def test_a_large_per_step_cost_makes_the_plan_take_the_largest_fragments() -> None:
+    """Rollout tokens that cost 50 ms per denoising step whatever their samples (+ 10 us per sample-step);
+    scoring and training almost free.
+
+    By hand: a fragment is ``8 x fragment_groups`` samples and a rollout token one fragment, so a batch
+    of 256 samples at 3 steps costs 3 x (0.05 x 32 / fragment_groups + 1e-5 x 256) device-seconds of
+    rollout, and with both devices generating (nothing else to do) samples/s = 2 x 256 / that:
+    1664 at 16 groups, 842 at 8, 424 at 4. The planner must take the largest fragments the grid offers.
+    """
+    cfg = load_config(CONFIGS / "tiny-qwenimage.toml")
+    fits = {"rollout": (0.0, 1e-5), "reward": (0.0, 1e-6), "train": (0.0, 1e-6), "optim": (0.0, 0.0),
+            "publish": (0.0, 0.0)}
+    cost = MeasuredCost(fits, 0.0, AllReduce(0.0, 1.0, 0.0), step_s=0.05)
+    plan = plan_fleet(cfg, fleet_pools("2xmeasured"), batches=4, final_batches=8, measured=cost, top=20)
+
+    def by_hand(groups: int) -> float:
+        return 2 * 256 / (3 * (0.05 * 32 / groups + 1e-5 * 256))
+
+    assert plan.best.fragment_groups == cfg.schedule.fragment_groups == 16  # the largest on the grid
+    assert plan.best.samples_per_s == pytest.approx(by_hand(16), rel=0.01)
+    two = [c for c in plan.candidates if c.trainer == {"measured": 2}]  # both generate: TAG helpers only
+    assert {c.fragment_groups for c in two} >= {4, 8}
+    for c in two:
+        assert c.samples_per_s == pytest.approx(by_hand(c.fragment_groups), rel=0.01)

@@ -120,4 +120,70 @@ def test_real_bench_writes_the_plan_costs_it_measured(tmp_path) -> None:
     assert 0 < cal["dispatch_s"] < statistics.median(spans["rollout"] + spans["train"])
     # the fine run had smaller tokens, so the fits see two sizes; the error the planner uses is the rows' worst
     assert cal["plan_error"] == pytest.approx(max(abs(r["sim_error_plan_costs"]) for r in report["rows"]))
-    assert json.loads((tmp_path / "bubbles.json").read_text())["calibration"]["costs_version"] == 2
+    assert json.loads((tmp_path / "bubbles.json").read_text())["calibration"]["costs_version"] == 3
+
+
+def _bench_rollout_tokens(fine: bool) -> list[Token]:
+    """The rollout tokens the simulator issues for the bench's async1 run of the tiny config (``fine``: its
+    fine-token calibration run), with the bench's own overrides."""
+    from digenrl.config import load_config
+    from digenrl.policy import trained_steps
+    from digenrl.recipes.bench_real import DEFAULT_CONFIG, fine_overrides, sim_options
+    from digenrl.schedule import make_schedule
+    from digenrl.schedule.base import Workload
+    from digenrl.sim.engine import simulate
+
+    issued: list[Token] = []
+
+    class Recording(MeasuredCost):
+        def seconds(self, token: Token, device: Device) -> float:
+            if token.kind is TokenKind.ROLLOUT and token.id >= 0:  # not the schedule's own speed probes
+                issued.append(token)
+            return super().seconds(token, device)
+
+    cfg = load_config(DEFAULT_CONFIG)
+    if fine:
+        cfg = load_config(DEFAULT_CONFIG, fine_overrides(cfg))
+    ro = cfg.rollout
+    workload = Workload(4, ro.prompts_per_batch, ro.group_size, ro.num_steps, trained_steps(cfg))
+    cost = Recording({"rollout": (0.0, 3e-4), "reward": (0.0, 9e-4), "train": (0.0, 9e-4)})
+    devices = [Device("rollout-0", Role.ROLLOUT), Device("trainer-0", Role.TRAINER)]
+    simulate(make_schedule("async1", devices, workload, cost, **sim_options(cfg)), devices, workload, cost)
+    return issued
+
+
+def test_fit_recovers_the_per_step_term_from_the_bench_token_shapes() -> None:
+    """Tokens priced 4 ms + 3 ms per step + 20 us per sample-step: the bench's default and fine runs
+    together give the fit back those three; the default run alone (whole trajectories of one fragment
+    size: steps and sample-steps in proportion) cannot tell the per-step term apart and says so."""
+    fixed, step, per = 0.004, 0.003, 2e-5
+
+    def priced(tokens: list[Token]) -> list[tuple[Token, float]]:
+        return [(t, fixed + step * (t.step_end - t.step_start) + per * t.num_samples * (t.step_end - t.step_start))
+                for t in tokens]
+
+    default, fine = _bench_rollout_tokens(False), _bench_rollout_tokens(True)
+    both = MeasuredCost.fit(priced(default + fine))
+    assert both.fits["rollout"] == pytest.approx((fixed, per), rel=1e-6) and both.step_s == pytest.approx(step, rel=1e-6)
+    assert both.notes == ()
+    dev = Device("d", Role.ROLLOUT)
+    assert both.seconds(_tok(TokenKind.ROLLOUT, 5, 2), dev) == pytest.approx(fixed + 2 * step + 10 * per)
+    alone = MeasuredCost.fit(priced(default))
+    assert alone.step_s == 0.0 and "per-step term is not identified" in alone.notes[0]
+    (units,) = {t.num_samples * (t.step_end - t.step_start) for t in default}  # one size: per-unit mean
+    assert alone.fits["rollout"] == pytest.approx((0.0, (fixed + 3 * step + per * units) / units))
+
+
+def test_fit_keeps_every_term_non_negative() -> None:
+    """Noise that pulls the unconstrained per-step term below zero: the fit drops it (least squares of
+    the rest), as non-negative least squares does."""
+    # seconds = 0.01 + 1e-3 x sample-steps, the 1-step tokens a little slow, the 3-step ones a little fast
+    shapes = [(32, 1, +0.002), (32, 3, -0.002), (128, 3, 0.0), (64, 1, +0.002)]
+    data = [(_tok(TokenKind.ROLLOUT, n, k), 0.01 + 1e-3 * n * k + e) for n, k, e in shapes]
+    cost = MeasuredCost.fit(data)
+    assert cost.step_s == 0.0
+    # by hand: least squares of seconds on (1, sample-steps) over the four tokens
+    xs, ys = [n * k for n, k, _ in shapes], [s for _, s in data]
+    mx, my = sum(xs) / 4, sum(ys) / 4
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    assert cost.fits["rollout"] == pytest.approx((my - slope * mx, slope))
