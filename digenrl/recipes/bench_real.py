@@ -68,7 +68,8 @@ from digenrl.telemetry.stats import summarize
 
 log = logging.getLogger(__name__)
 
-__all__ = ["MeasuredCost", "run_real_bubbles", "fine_overrides", "run_actors", "REAL_DEFAULT_SCHEDULES", "DEFAULT_CONFIG"]
+__all__ = ["MeasuredCost", "run_real_bubbles", "fine_overrides", "run_actors", "REAL_DEFAULT_SCHEDULES",
+           "DEFAULT_CONFIG"]
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "tiny-qwenimage.toml"
 REAL_DEFAULT_SCHEDULES = ("colocated", "disaggregated", "tag", "async1", "async1+reward")
@@ -242,7 +243,8 @@ def run_real_bubbles(schedules: list[str] | None = None, num_batches: int = 8, o
     Returns:
         The ``bubbles.json`` content: ``rows``, ``calibration`` and ``definitions``. With an actor
         schedule, ``calibration`` holds the costs ``plan --costs`` reads (``costs_version`` 3:
-        ``measured_costs`` per kind with ``optim`` and ``publish`` (the rollout's with ``per_step_s``), ``dispatch_s``, ``allreduce``; see
+        ``measured_costs`` per kind with ``optim`` and ``publish``, the rollout's with ``per_step_s``;
+        ``dispatch_s``, ``allreduce``, ``fit_notes``; see
         ``recipes/measure_costs.py``) and ``plan_error``, the largest |error| of the simulator with
         those costs over the actor rows (each row's ``sim_error_plan_costs``).
 

@@ -1,7 +1,7 @@
 """The costs ``bench bubbles --real`` measures for ``plan --costs``, beyond one placement's compute tokens.
 
 A plan compares splits and token sizes the bench did not run, so its costs must price what changes
-with them (costs version 2, ``sim/measured.py``):
+with them (costs version 3, ``sim/measured.py``):
 
 * per-kind ``overhead + per_unit x units`` (+ ``step_s x steps`` for a rollout token): non-negative least
   squares over every actor run's tokens, the bench's fine-token calibration run included. Its tokens

@@ -6,9 +6,9 @@ for the machine the bench ran on is chosen from what that machine measured, not 
 
 Per token kind a linear fit, ``overhead + per_unit x units``; a ROLLOUT token also pays ``step_s`` per
 denoising step it runs, whatever its sample count (the transformer call and its launches per step of a
-batch), so finer tokens (fewer samples per step call, e.g. TAG helpers of one fragment) cost what they
-do (costs version 3). Besides these, a plan needs what changes with the
-split and the token sizes and that one placement's compute tokens do not show (costs version 2):
+batch), so finer tokens (fewer samples per step call) cost what they do (costs version 3). Besides
+these, a plan needs what changes with the split and the token sizes and that one placement's compute
+tokens do not show (costs version 2):
 
 - ``dispatch_s``: the per-token overhead a device pays beyond its compute (the call's trip and the
   coordinator's handling of the result), charged on every ROLLOUT/REWARD/TRAIN token, so finer tokens
@@ -45,7 +45,8 @@ _COMPUTE = (TokenKind.ROLLOUT, TokenKind.REWARD, TokenKind.TRAIN)
 # preference on equal residuals. Every subset keeps the per-unit term (work costs time; a fit without it
 # would make larger tokens free); a term the tokens cannot tell apart from another is dropped.
 _INTERCEPT, _UNITS, _STEPS = 0, 1, 2
-_SUBSETS = {"rollout": ((0, 1, 2), (0, 1), (1, 2), (1,)), "other": ((0, 1), (1,))}
+_SUBSETS = {"rollout": ((_INTERCEPT, _UNITS, _STEPS), (_INTERCEPT, _UNITS), (_UNITS, _STEPS), (_UNITS,)),
+            "other": ((_INTERCEPT, _UNITS), (_UNITS,))}
 
 
 def _units(token: Token) -> float:
