@@ -318,6 +318,14 @@ def plan_fleet(cfg: Config, pools: tuple[Pool, ...], *, top: int = 5, batches: i
                 evaluate(r, base_tag, base_groups)
         best_r = max((k[0] for k in results if k[1:] == (base_tag, base_groups)),
                      key=lambda r: score(results.get((r, base_tag, base_groups))))
+    # then climb one device at a time until both neighbours of the best are known: halving a step of 3 to 1
+    # looks only next to the coarse best, and the best can move off it (hetero-flux: 9 -> 8, then 7 unseen)
+    while fresh := [r for r in (best_r - 1, best_r + 1)
+                    if lo <= r <= hi and (r, base_tag, base_groups) not in results]:
+        for r in fresh:
+            evaluate(r, base_tag, base_groups)
+        best_r = max((k[0] for k in results if k[1:] == (base_tag, base_groups)),
+                     key=lambda r: score(results.get((r, base_tag, base_groups))))
     # 2. token sizes for the three best splits
     splits = sorted({k[0] for k in results}, key=lambda r: -score(results.get((r, base_tag, base_groups))))[:3]
     quarter = max(1, math.ceil(ro.num_steps / 4))
@@ -344,8 +352,14 @@ def plan_fleet(cfg: Config, pools: tuple[Pool, ...], *, top: int = 5, batches: i
     place = cfg.placement
     if place.rollout + place.trainer == len(order) and lo <= place.rollout <= hi:
         shipped = evaluate(place.rollout, base_tag, base_groups)
-    # the finalists again over a longer run: a short one's steady window is only a few batches wide
+    # the finalists again over a longer run: a short one's steady window is only a few batches wide, so
+    # the order of close candidates can flip (hetero-flux: 8 L40S rollout leads 7 over 6 batches, 7 leads
+    # by 2% over 20); every one of the three best splits keeps its best token sizes among them
     finalists = unique[:max(top, 5)]
+    for r in splits:
+        best_of_split = next((c for c in unique if sum(c.rollout.values()) == r), None)
+        if best_of_split is not None and best_of_split not in finalists:
+            finalists.append(best_of_split)
     if shipped is not None:
         shipped.shipped = True
         finalists = [c for c in finalists if c.ident != shipped.ident] + [shipped]

@@ -8,8 +8,10 @@ Definitions (DESIGN.md §2):
 - ``bubble ratio = 1 - busy / window`` per device; per role it is the mean over that role's devices
   (HYBRID devices count for both rollout and trainer; REWARD devices count as rollout).
 - Two windows are reported. ``steady`` (the headline figure) starts when batch 0's optimizer step
-  ends, so the pipeline's fill during the first batch (warm-up) is excluded; it ends at the last
-  optimizer step. ``full`` is ``[0, wall]``.
+  ends, so the pipeline's fill during the first batch (warm-up) is excluded; with three or more
+  batches it ends at the second-to-last optimizer step, so the drain is excluded too (while the last
+  batch trains, the rollout side has no next batch to generate: an end-of-run idle a longer run does
+  not have, not a bubble of the schedule); with two, at the last. ``full`` is ``[0, wall]``.
 - ``samples_per_s`` over a window = the samples whose compute the window holds / its length: every
   trained batch (one with an optimizer step) is credited its samples x the share of its compute
   device-seconds that lie inside the window. Counting whole batches whose optimizer step ends in the
@@ -17,8 +19,8 @@ Definitions (DESIGN.md §2):
   next batch's work than its steady state does (async1, tiny Qwen-Image at 3 steps, 1 rollout + 1
   trainer: batch 1 had 2x the steady lead done by the end of batch 0's step), so an 8-batch window
   read 2.4% above what two fully busy devices can do. Credited by work, a window's samples/s is at
-  most (1 - bubble) x devices / (device-seconds per sample): the drain after the last rollout
-  counts, as a bubble, in both. Over ``[0, wall]`` it is every trained sample.
+  most (1 - bubble) x devices / (device-seconds per sample). Over ``[0, wall]`` it is every trained
+  sample.
 - ``max_staleness`` = max over ROLLOUT spans of ``batch - policy_version``.
 - ``weight_sync_share`` / ``switch_share`` = device-seconds in PUBLISH / SWITCH spans over
   device-seconds of the window (devices x length).
@@ -115,8 +117,9 @@ def summarize(result: Timeline) -> RunStats:
         elif s.kind == "reward":
             scored += s.samples
     first = result.optim_end.get(0, 0.0)
-    last = max(result.optim_end.values(), default=result.wall)
-    if len(result.optim_end) < 2:
+    ends = sorted(result.optim_end.values()) or [result.wall]
+    last = ends[-2] if len(ends) >= 3 else ends[-1]
+    if len(ends) < 2:
         first = 0.0
     steady, _ = _window(result, by_device, first, last)
     full, per_device = _window(result, by_device, 0.0, result.wall)

@@ -33,6 +33,27 @@ def test_a_batch_generated_before_the_window_is_not_its_work() -> None:
     assert stats.full.samples_per_s == pytest.approx(20 / 3)  # [0, wall]: every trained sample
 
 
+def test_the_drain_after_the_last_rollout_is_not_the_steady_window() -> None:
+    """Three batches of 10 samples, each 1 s of rollout on r then 1 s of training on t, pipelined.
+
+    r generates batch k in [k, k+1); t trains it in [k+1, k+2), its step ending at k+2. In [2, 3] both
+    devices work (r on batch 2, t on batch 1: half of each batch's 2 device-seconds): 10 samples/s, no
+    bubble, what the pipeline makes for as long as it runs. In [3, 4] r has no batch 3 to generate: the
+    run's end, which the steady window leaves out ([2, 4] would read 7.5 samples/s and a 25% bubble).
+    """
+    spans = []
+    for k in range(3):
+        spans += [Span("r", "rollout", k, k, 0, k, k + 1.0, 10), Span("t", "train", k, k, 0, k + 1.0, k + 2.0),
+                  Span("t", "optim", k, -1, k, k + 2.0, k + 2.0)]
+    devices = [Device("r", Role.ROLLOUT), Device("t", Role.TRAINER)]
+    res = Timeline("hand", devices, Workload(3, 1, 10, 1, 1), spans, 4.0, len(spans), {0: 2.0, 1: 3.0, 2: 4.0})
+    stats = summarize(res)
+    assert (stats.steady.start, stats.steady.end) == (2.0, 3.0)
+    assert stats.steady.samples_per_s == pytest.approx(10.0)
+    assert stats.steady.bubble_overall == pytest.approx(0.0)
+    assert stats.full.samples_per_s == pytest.approx(30 / 4)
+
+
 def test_a_simulated_pipeline_never_beats_its_devices() -> None:
     """async1 on the tiny config (3 steps, 256 samples a batch), 1 rollout + 1 trainer, measured costs.
 
