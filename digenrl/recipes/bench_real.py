@@ -210,13 +210,18 @@ def _median(runs: list[Any], key: Any) -> Any:
 
 
 def fine_overrides(cfg: Any) -> list[str]:
-    """The fine-token calibration run's overrides: TAG helpers of one step, a quarter of the fragment size.
+    """The fine-token calibration run's overrides: a quarter of the fragment size, rollout tokens of two
+    steps (then the rest) and TAG helpers of one.
 
     With the config's whole-trajectory tokens they vary a rollout token's steps apart from its samples,
-    which the per-step term of the plan costs needs (``MeasuredCost.fit``).
+    which the per-step term of the plan costs needs (``MeasuredCost.fit``). The rollout device's own
+    tokens must do it: TAG helpers of one step ran 3 times in a 20-batch run (3 steps, 2 processes), too
+    few to tell a per-step cost from a per-token one; ``step_chunk = 2`` makes every fragment one 2-step
+    and one 1-step token.
     """
     groups = max(1, (cfg.schedule.fragment_groups or cfg.rollout.prompts_per_batch) // 4)
-    return ["schedule.tag_steps=1", f"schedule.fragment_groups={groups}"]
+    chunk = max(1, cfg.rollout.num_steps - 1)
+    return ["schedule.tag_steps=1", f"schedule.fragment_groups={groups}", f"schedule.step_chunk={chunk}"]
 
 
 def run_real_bubbles(schedules: list[str] | None = None, num_batches: int = 8, out: Path | None = None,
@@ -236,9 +241,9 @@ def run_real_bubbles(schedules: list[str] | None = None, num_batches: int = 8, o
             so a burst of other load on a shared machine hits one run of each, not one schedule's
             every run. Each row reports its median run and lists every run's samples/s.
         fine_tokens: with an actor schedule, also run the config's own (if chosen; else the first) at finer
-            tokens (``tag_steps = 1``,
-            a quarter of the fragment size) in every round: row ``real-<schedule>-fine``. Its smaller
-            tokens are what lets the plan costs separate a token's fixed cost from its per-unit cost.
+            tokens (``fine_overrides``: a quarter of the fragment size, shorter step ranges) in every
+            round: row ``real-<schedule>-fine``. Its smaller tokens are what lets the plan costs
+            separate a token's fixed cost, its per-step cost and its per-sample-step cost.
 
     Returns:
         The ``bubbles.json`` content: ``rows``, ``calibration`` and ``definitions``. With an actor
@@ -389,8 +394,10 @@ def run_real_bubbles(schedules: list[str] | None = None, num_batches: int = 8, o
                                               "measured_costs, dispatch_s, allreduce); calibration.plan_error is "
                                               "the largest |error| over the actor rows (in-sample: these runs "
                                               "are in the fit)",
-                      "real-<schedule>-fine": "the schedule at finer tokens (tag_steps 1, a quarter of the fragment "
-                                              "size): the calibration run that separates fixed from per-unit costs",
+                      "real-<schedule>-fine": "the schedule at finer tokens (a quarter of the fragment size, "
+                                              "rollout tokens of num_steps - 1 steps then the rest, TAG helpers of "
+                                              "1): the calibration run that separates fixed, per-step and "
+                                              "per-sample-step costs",
                       "sim_error_self_calibrated": "the same with costs fitted to this run's tokens only",
                       "colocated": "the single-process loop with placement.threads torch threads",
                       "real-2x1thread": "two independent 1-thread colocated runs at once, samples/s summed: the "

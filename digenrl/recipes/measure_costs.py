@@ -5,9 +5,8 @@ with them (costs version 3, ``sim/measured.py``):
 
 * per-kind ``overhead + per_unit x units`` (+ ``step_s x steps`` for a rollout token): non-negative least
   squares over every actor run's tokens, the bench's fine-token calibration run included. Its tokens
-  are what separates a token's parts: a quarter of the fragment size (fewer samples per step call) and
-  TAG helpers of one step against the other runs' whole-trajectory tokens (steps varied apart from
-  samples);
+  are what separates a token's parts: a quarter of the fragment size (fewer samples per step call) in
+  tokens of fewer steps than the other runs' whole trajectories (steps varied apart from samples);
 * ``dispatch_s``: the median per-token overhead the coordinator measured (``Coordinator.overhead_log``);
 * ``optim``: the median optimizer step of one trainer (real OPTIM tokens of one-trainer runs; with only
   group runs, their median less the all-reduce);
