@@ -194,6 +194,7 @@ class TrainConfig:
 
     iterations: int = 30
     lr: float = 3e-4
+    lr_warmup: int = 0  # optimizer steps over which the rate rises linearly to lr (rl/lr.py); 0 = none
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     weight_decay: float = 1e-4
     eps: float = 1e-8
@@ -219,6 +220,7 @@ class TrainConfig:
     def __post_init__(self) -> None:
         _check("train.iterations", self.iterations >= 1, ">= 1", self.iterations)
         _check("train.lr", self.lr > 0, "> 0", self.lr)
+        _check("train.lr_warmup", self.lr_warmup >= 0, ">= 0", self.lr_warmup)
         _check("train.betas", len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas), "two values in [0, 1)", self.betas)
         _check("train.weight_decay", self.weight_decay >= 0, ">= 0", self.weight_decay)
         _check("train.max_grad_norm", self.max_grad_norm > 0, "> 0", self.max_grad_norm)

@@ -36,6 +36,7 @@ from digenrl.rewards.base import GuardedReward
 from digenrl.rewards.failures import FailureBudget
 from digenrl.rl.advantages import group_advantages
 from digenrl.rl.loss import LossConfig, reduce_stats
+from digenrl.rl.lr import set_lr
 from digenrl.rl.noise import initial_keys, initial_latents, transition_noise
 from digenrl.rl.rollout import TransitionBatch, rollout_steps
 from digenrl.rl.steps import plan_steps
@@ -146,7 +147,7 @@ def iteration(run: ColocatedRun, it: int) -> tuple[dict[str, Any], torch.Tensor,
         a = -a
     keep = (~adv.zero_std[res.transitions.sample]).nonzero().flatten()
     batch: TransitionBatch = res.transitions.rows(keep)
-    stats = _train_step(run, batch, cond, a)
+    stats = _train_step(run, batch, cond, a, it)
     if not len(batch) and tr.check_parity:  # nothing trained: measure parity on a sample of the dropped rows
         stats.update(reduce_stats([parity_recompute(model.velocity, res.transitions, cond, PARITY_SAMPLE_ROWS)]))
     t4 = time.perf_counter()
@@ -170,7 +171,8 @@ def iteration(run: ColocatedRun, it: int) -> tuple[dict[str, Any], torch.Tensor,
     return line, images, prompts
 
 
-def _train_step(run: ColocatedRun, batch: TransitionBatch, cond: dict[str, torch.Tensor], adv: torch.Tensor) -> dict[str, float]:
+def _train_step(run: ColocatedRun, batch: TransitionBatch, cond: dict[str, torch.Tensor], adv: torch.Tensor,
+                step: int) -> dict[str, float]:
     tr = run.cfg.train
     run.optimizer.zero_grad(set_to_none=True)
     if len(batch) == 0:  # every group had identical rewards: nothing to learn from
@@ -181,6 +183,7 @@ def _train_step(run: ColocatedRun, batch: TransitionBatch, cond: dict[str, torch
     grad_norm = torch.nn.utils.clip_grad_norm_(run.params, tr.max_grad_norm)
     if not torch.isfinite(grad_norm):
         raise FloatingPointError(f"gradient norm is {float(grad_norm)}; refusing the optimizer step")
+    set_lr(run.optimizer, tr.lr, tr.lr_warmup, step)
     run.optimizer.step()
     out = reduce_stats(sums)
     out["grad_norm"] = float(grad_norm)

@@ -38,6 +38,7 @@ from digenrl.models.lora import (load_trainable, load_trainable_state_dict, trai
                                  trainable_state_dict)
 from digenrl.policy import build_model, prepare_for_training
 from digenrl.rl.loss import LossConfig
+from digenrl.rl.lr import set_lr
 from digenrl.rl.rollout import TransitionBatch
 from digenrl.rl.tsp import packed_backward, parity_recompute, per_step_backward, sliced_backward
 from digenrl.roles.fragments import FragmentData, FragmentEngine, probe_velocity
@@ -313,6 +314,7 @@ class TrainerActor(GenerationMixin, Actor):
             grad_norm = grad_norm.full_tensor()
         if not torch.isfinite(grad_norm):
             raise FloatingPointError(f"gradient norm is {float(grad_norm)}; refusing the optimizer step")
+        set_lr(self.optimizer, self.cfg.train.lr, self.cfg.train.lr_warmup, self.version)  # version = steps done
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return float(grad_norm)

@@ -20,7 +20,8 @@ pytestmark = pytest.mark.asyncio(loop_scope="module")
 CONF = {
     "model": {"name": "qwenimage", "preset": "tiny"},
     "rollout": {"num_steps": 4, "group_size": 2, "prompts_per_batch": 4},
-    "train": {"iterations": 1, "lr": 1e-2, "clip_range": 1e-2, "adv_std": "group"},
+    # a warm-up, so the colocated-vs-actors test also checks that the trainer ramps its rate as the loop does
+    "train": {"iterations": 1, "lr": 1e-2, "lr_warmup": 3, "clip_range": 1e-2, "adv_std": "group"},
     "log": {"seed": 3},
     "schedule": {"name": "gap"},
     "transport": {"actors": "inproc"},
