@@ -97,10 +97,19 @@ class ShapesReward:
     name = "shapes"
 
     def score(self, images: torch.Tensor, prompts: Sequence[str]) -> torch.Tensor:
-        """Score a batch.
+        """Score a batch: the mean of :meth:`parts`.
 
         Raises:
             RewardError: malformed batch, an image under 10x10 pixels, or a prompt not of the shapes form.
+        """
+        parts = self.parts(images, prompts)
+        return (parts["background"] + parts["shape_colour"] + parts["form"]) / 3
+
+    def parts(self, images: torch.Tensor, prompts: Sequence[str]) -> dict[str, torch.Tensor]:
+        """The three scores per sample (``background``, ``shape_colour``, ``form``): where a sample loses reward.
+
+        Raises:
+            RewardError: as :meth:`score`.
         """
         check_batch(images, prompts, self.name)
         frames, f = as_frames(images.float().cpu())
@@ -121,4 +130,5 @@ class ShapesReward:
         k = max(1, round(_SHAPE_AREA * h * w))
         fg_score = inner.topk(k, dim=1).values.mean(dim=1)
         form = _form(figure, [s for p in parsed for s in [p[1]] * f])
-        return ((bg_score + fg_score + form) / 3).reshape(-1, f).mean(dim=1)
+        return {name: part.reshape(-1, f).mean(dim=1)
+                for name, part in (("background", bg_score), ("shape_colour", fg_score), ("form", form))}

@@ -107,3 +107,23 @@ def test_the_named_shape_beats_the_other_shapes() -> None:
         s = reward.score(imgs, [f"a white {asked} on a black background"] * 3)
         assert int(s.argmax()) == k, (asked, s)
         assert float(s[k]) > float(s.topk(2).values[1]) + 0.02, (asked, s)  # measured gaps 0.05-0.1
+
+
+def test_parts_say_which_part_is_wrong() -> None:
+    """``parts``: a wrong background costs only ``background``, a wrong shape only ``form``; a wrong shape
+    colour costs ``shape_colour`` and ``form`` (the figure is found by the named colour); the score is their mean."""
+    reward = make_reward("shapes")
+    prompt = "a red circle on a blue background"
+    imgs = torch.stack([drawn("circle", "red", "blue"), drawn("circle", "red", "white"),
+                        drawn("circle", "yellow", "blue"), drawn("triangle", "red", "blue")])
+    parts = reward.parts(imgs, [prompt] * 4)
+    torch.testing.assert_close(reward.score(imgs, [prompt] * 4),
+                               (parts["background"] + parts["shape_colour"] + parts["form"]) / 3)
+    good = {k: float(v[0]) for k, v in parts.items()}
+    assert min(good.values()) > 0.9, good
+    for row, broken in ((1, {"background"}), (2, {"shape_colour", "form"}), (3, {"form"})):
+        for name, v in parts.items():
+            if name in broken:
+                assert float(v[row]) < good[name] - 0.15, (row, name, parts)
+            else:
+                assert float(v[row]) > good[name] - 0.05, (row, name, parts)
