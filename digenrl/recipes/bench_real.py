@@ -114,6 +114,17 @@ def _contention(one_sps: float, rates: dict[int, list[float]]) -> Contention:
     return Contention(host_cores(), {k: one_sps / (sum(r) / k) for k, r in rates.items() if all(r) and r})
 
 
+def _median_contention(rounds: list[Contention]) -> Contention | None:
+    """Per count, the median over rounds of that round's slowdown: one disturbed run of k processes (another
+    job's burst) does not set the factor, as the rows take their median run; a round's ratio of its own
+    runs cancels what slows the whole round alike."""
+    counts = sorted({k for c in rounds for k in c.slowdown})
+    if not rounds:
+        return None
+    return Contention(rounds[0].cores, {k: statistics.median([c.slowdown[k] for c in rounds if k in c.slowdown])
+                                        for k in counts})
+
+
 def _actor_processes(cfg: Any) -> int:
     """Actor processes a disaggregated run of ``cfg`` keeps (one per rollout, trainer and reward actor)."""
     p = cfg.placement
@@ -339,7 +350,8 @@ def run_real_bubbles(schedules: list[str] | None = None, num_batches: int = 8, o
             colocated_row = colocated_row or row
             rows.append(row)
         predictor = _median(predictors, lambda p: p[0])[1] if predictors else None
-        contention = predictor.contention if predictor else None
+        contention = _median_contention([c.contention for _, c in predictors if c.contention])
+        predictor = dataclasses.replace(predictor, contention=contention) if predictor else None
         # each token's seconds alone on the host (the simulator applies the contention of each moment again)
         every_token = [t for rs in runs.values() for run in rs
                        for t in (alone_seconds(run[1], run[0].spans, contention) if contention else run[1])]
@@ -370,8 +382,8 @@ def run_real_bubbles(schedules: list[str] | None = None, num_batches: int = 8, o
         for r in rows:
             r["speedup_vs_colocated"] = r["samples_per_s"] / base_sps if base_sps else None
             r["speedup_vs_colocated_1thread"] = r["samples_per_s"] / one if one else None
-        source = ("this run's 1-thread colocated phases with the contention its <k>x1thread rows measured "
-                  "(median round)" if predictors else "pooled real tokens of this run's actor schedules")
+        source = ("this run's 1-thread colocated phases (median round) with the contention its <k>x1thread "
+                  "rows measured (per k, the median over rounds of the same-round slowdown)" if predictors else "pooled real tokens of this run's actor schedules")
         calibration: dict[str, Any] = {"colocated_costs": predictor.to_dict(), "source": source,
                                        "token_fit": pooled.to_dict()}
         if contention is not None:

@@ -146,3 +146,13 @@ def test_bench_contention_is_a_lone_run_over_the_mean_of_k_at_once() -> None:
     assert c.slowdown == pytest.approx({2: 220.0 / 108.0, 3: 220.0 / 73.333333333})
     assert c.cores >= 1
     assert _contention(220.0, {2: [0.0, 100.0]}).slowdown == {}  # a run that measured nothing gives no factor
+
+
+def test_bench_contention_takes_each_counts_median_over_rounds() -> None:
+    """Rounds (pair, trio) 0.97/1.47, 0.98/1.68 (a disturbed trio), 1.31/1.50 (a disturbed pair): 0.98 and 1.50."""
+    from digenrl.recipes.bench_real import _median_contention
+
+    rounds = [Contention(2, {2: 0.97, 3: 1.47}), Contention(2, {2: 0.98, 3: 1.68}), Contention(2, {2: 1.31, 3: 1.50})]
+    assert _median_contention(rounds) == Contention(2, {2: 0.98, 3: 1.50})
+    assert _median_contention([Contention(2, {2: 1.0}), Contention(2, {})]) == Contention(2, {2: 1.0})
+    assert _median_contention([]) is None
