@@ -247,7 +247,7 @@ def plan_fleet(cfg: Config, pools: tuple[Pool, ...], *, top: int = 5, batches: i
 
     opts = with_overrides(PRESETS[cfg.schedule.name], cfg.schedule_options)
     simulations = 0
-    results: dict[tuple[int, int, int], Candidate] = {}
+    results: dict[tuple[int, int, int], Candidate | None] = {}  # None: that split or its sizes do not fit
 
     def sides(r: int) -> tuple[dict[str, int], dict[str, int]]:
         roll: dict[str, int] = {}
@@ -264,12 +264,14 @@ def plan_fleet(cfg: Config, pools: tuple[Pool, ...], *, top: int = 5, batches: i
         roll, train = sides(r)
         n_roll, n_train = sum(roll.values()), sum(train.values())
         if n_train == 0 or any(t not in may_train for t in train) or any(t not in may_roll for t in roll):
+            results[key] = None  # known, so the search's climb does not ask again
             return None
         sizes = resolve(replace(opts, tag_steps=tag_steps or None, fragment_groups=groups or None), workload,
                         n_roll, n_train)
         variant = _variant(cfg, roll, train, sizes.tag_steps, sizes.fragment_groups, 1)
         rows, plan = _max_rows(variant, traces, max(1, sizes.train_pack))
         if plan is None:
+            results[key] = None
             return None
         cand = Candidate(roll, train, sizes.tag_steps, sizes.fragment_groups, rows,
                          memory={name: {"gb": m.bytes_per_device / GB, "capacity_gb": m.capacity / GB,
