@@ -108,13 +108,22 @@ def parts_by_shape(images: Any, prompts: list[str]) -> dict[str, dict[str, float
     from digenrl.rewards.shapes import ShapesReward, parse_shape_prompt
 
     parts = ShapesReward().parts(images, prompts)
-    parts["total"] = (parts["background"] + parts["shape_colour"] + parts["form"]) / 3
+    parts["total"] = ShapesReward.total(parts)
     shape = [parse_shape_prompt(p)[1] for p in prompts]
     out = {}
     for group in ("all", *sorted(set(shape))):
         rows = [k for k, s in enumerate(shape) if group in ("all", s)]
         out[group] = {name: round(float(v[rows].mean()), 4) for name, v in parts.items()}
     return out
+
+
+def _print_parts(eval_parts: dict[int, dict[str, dict[str, float]]], indent: str = "") -> None:
+    """Each shape's reward parts at the first -> the last evaluation (``shapes`` only; else nothing)."""
+    if not eval_parts:
+        return
+    first, last = eval_parts[min(eval_parts)], eval_parts[max(eval_parts)]
+    for shape, before in first.items():
+        print(f"{indent}{shape:8s} " + "  ".join(f"{k} {before[k]:.3f}->{last[shape][k]:.3f}" for k in before))
 
 
 def vae_ceiling(model: Any, count: int = 336) -> dict[str, dict[str, float]]:
@@ -306,9 +315,7 @@ def main() -> None:
             s, e = r["summary"], r["eval"]
             print(f"seed {r['seed']} {r['control']:9s} eval {e[0][1]:.4f} -> {e[-1][1]:.4f} ({r['eval_gain']:+.4f})   "
                   f"training batches: gain {s['gain']:+.4f} (z {s['gain_in_noise']:+.1f})")
-            for shape, before in r["eval_parts"].get(0, {}).items():
-                after = r["eval_parts"][max(r["eval_parts"])][shape]
-                print(f"    {shape:8s} " + "  ".join(f"{k} {before[k]:.3f}->{after[k]:.3f}" for k in before))
+            _print_parts(r["eval_parts"], indent="    ")
         return
     result = run(args)
 
@@ -325,9 +332,7 @@ def main() -> None:
                   f"{s['last']:.4f}", f"{s['gain']:+.4f}", f"{s['gain_in_noise']:+.1f}",
                   f"{result['seconds_per_iter_median']:.2f}", f"{result['seconds_total']:.1f}")
     Console().print(table)
-    for shape, before in result["eval_parts"].get(0, {}).items():  # shapes: where the reward is lost and gained
-        after = result["eval_parts"][args.iters][shape]
-        print(f"{shape:8s} " + "  ".join(f"{k} {before[k]:.3f}->{after[k]:.3f}" for k in before))
+    _print_parts(result["eval_parts"])
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=1))

@@ -109,18 +109,23 @@ def _processes(cfg: Any, count: int) -> list[float]:
         return list(pool.map(_colocated_rate, [one] * count))
 
 
+def _slowdown(one_sps: float, rates: list[float]) -> float | None:
+    """The slowdown of ``len(rates)`` busy processes: a lone run's samples/s over the mean of them at once."""
+    return one_sps / (sum(rates) / len(rates)) if rates and all(rates) else None
+
+
 def _contention(one_sps: float, rates: dict[int, list[float]]) -> Contention:
-    """The slowdown of ``k`` busy processes: a lone run's samples/s over the mean of ``k`` runs at once."""
-    return Contention(host_cores(), {k: one_sps / (sum(r) / k) for k, r in rates.items() if all(r) and r})
+    """The :func:`_slowdown` of each measured count of busy processes on this host."""
+    return Contention(host_cores(), {k: f for k, r in rates.items() if (f := _slowdown(one_sps, r)) is not None})
 
 
 def _median_contention(rounds: list[Contention]) -> Contention | None:
     """Per count, the median over rounds of that round's slowdown: one disturbed run of k processes (another
     job's burst) does not set the factor, as the rows take their median run; a round's ratio of its own
     runs cancels what slows the whole round alike."""
-    counts = sorted({k for c in rounds for k in c.slowdown})
     if not rounds:
         return None
+    counts = sorted({k for c in rounds for k in c.slowdown})
     return Contention(rounds[0].cores, {k: statistics.median([c.slowdown[k] for c in rounds if k in c.slowdown])
                                         for k in counts})
 
@@ -333,7 +338,7 @@ def run_real_bubbles(schedules: list[str] | None = None, num_batches: int = 8, o
                                  "bubble_per_actor": {f"{k} independent processes, 1 thread each": 0.0},
                                  "sim_samples_per_s": None, "sim_error": None, "busy_cores_before": load,
                                  "threads": 1, "full": None, "tokens": None,
-                                 "slowdown": one_sps / (sum(rates[k]) / k) if all(rates[k]) else None}
+                                 "slowdown": _slowdown(one_sps, rates[k])}
                         coloc.setdefault(group["scenario"], []).append(group)
                     predictors.append((one_sps, dataclasses.replace(cost, contention=_contention(one_sps, rates))))
                     continue
@@ -383,7 +388,8 @@ def run_real_bubbles(schedules: list[str] | None = None, num_batches: int = 8, o
             r["speedup_vs_colocated"] = r["samples_per_s"] / base_sps if base_sps else None
             r["speedup_vs_colocated_1thread"] = r["samples_per_s"] / one if one else None
         source = ("this run's 1-thread colocated phases (median round) with the contention its <k>x1thread "
-                  "rows measured (per k, the median over rounds of the same-round slowdown)" if predictors else "pooled real tokens of this run's actor schedules")
+                  "rows measured (per k, the median over rounds of the same-round slowdown)" if predictors
+                  else "pooled real tokens of this run's actor schedules")
         calibration: dict[str, Any] = {"colocated_costs": predictor.to_dict(), "source": source,
                                        "token_fit": pooled.to_dict()}
         if contention is not None:

@@ -102,7 +102,11 @@ class ShapesReward:
         Raises:
             RewardError: malformed batch, an image under 10x10 pixels, or a prompt not of the shapes form.
         """
-        parts = self.parts(images, prompts)
+        return self.total(self.parts(images, prompts))
+
+    @staticmethod
+    def total(parts: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The score of :meth:`parts`: their mean."""
         return (parts["background"] + parts["shape_colour"] + parts["form"]) / 3
 
     def parts(self, images: torch.Tensor, prompts: Sequence[str]) -> dict[str, torch.Tensor]:

@@ -30,6 +30,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from digenrl.errors import ConfigError
 from digenrl.schedule.base import Device, Token, TokenKind
 from digenrl.schedule.cost import ring_allreduce_seconds
@@ -65,21 +67,12 @@ def _steps(token: Token) -> float:
 
 def _solve(cols: list[list[float]], ys: list[float]) -> list[float] | None:
     """Least squares coefficients of ``ys`` on ``cols``; ``None`` when the columns are not independent."""
-    scale = [max(map(abs, c)) or 1.0 for c in cols]  # columns of ~1 and ~100s: normalise before the normal equations
-    xs = [[v / k for v in c] for c, k in zip(cols, scale, strict=True)]
-    n = len(xs)
-    a = [[sum(p * q for p, q in zip(xs[i], xs[j], strict=True)) for j in range(n)]
-         + [sum(p * y for p, y in zip(xs[i], ys, strict=True))] for i in range(n)]
-    for i in range(n):  # Gauss-Jordan with partial pivoting
-        piv = max(range(i, n), key=lambda r: abs(a[r][i]))
-        if abs(a[piv][i]) <= 1e-9 * len(ys):
-            return None
-        a[i], a[piv] = a[piv], a[i]
-        for r in range(n):
-            if r != i:
-                f = a[r][i] / a[i][i]
-                a[r] = [u - f * v for u, v in zip(a[r], a[i], strict=True)]
-    return [a[i][n] / a[i][i] / scale[i] for i in range(n)]
+    x = np.array(cols, dtype=float).T
+    scale = np.abs(x).max(axis=0)
+    scale[scale == 0] = 1.0  # columns of ~1 and ~100s: normalised, so the rank test sees their shapes alone
+    # rcond: a singular value under 1e-9 of the largest is a dependence (not only an exact one)
+    coef, _, rank, _ = np.linalg.lstsq(x / scale, np.array(ys, dtype=float), rcond=1e-9)
+    return None if rank < x.shape[1] else list(coef / scale)
 
 
 def _fit_kind(kind: str, pts: list[tuple[float, float, float]]) -> tuple[tuple[float, float, float], str]:
@@ -92,8 +85,8 @@ def _fit_kind(kind: str, pts: list[tuple[float, float, float]]) -> tuple[tuple[f
     columns = {_INTERCEPT: [1.0] * len(pts), _UNITS: [p[0] for p in pts], _STEPS: [p[1] for p in pts]}
     subsets = _SUBSETS["rollout" if kind == "rollout" else "other"]
     feasible: list[tuple[float, list[float]]] = []  # (residual, coefficients), in order of preference
-    for subset in subsets:
-        coef = _solve([columns[c] for c in subset], ys)
+    solved = {subset: _solve([columns[c] for c in subset], ys) for subset in subsets}
+    for subset, coef in solved.items():
         if coef is None or min(coef) < 0:
             continue
         full = [0.0, 0.0, 0.0]
@@ -105,7 +98,7 @@ def _fit_kind(kind: str, pts: list[tuple[float, float, float]]) -> tuple[tuple[f
     least = min(r for r, _ in feasible)
     chosen = next(f for r, f in feasible if r <= least * (1 + 1e-9) + 1e-18 * len(pts))
     note = ""
-    if kind == "rollout" and _solve([columns[c] for c in subsets[0]], ys) is None:
+    if kind == "rollout" and solved[subsets[0]] is None:  # every term's columns not independent
         note = ("rollout: the tokens' steps do not vary independently of their samples (or one step count), so "
                 "the per-step term is not identified: fitted overhead + per sample-step only")
     return (chosen[0], chosen[1], chosen[2]), note
