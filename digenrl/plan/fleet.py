@@ -39,7 +39,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from digenrl.config import Config, load_config
+from digenrl.config import Config, load_config, resolve_shard
 from digenrl.errors import ConfigError
 from digenrl.plan.memory import GB, MemoryPlan, Traces, memory_plan, traces_for
 from digenrl.sim.measured import MeasuredCost
@@ -239,7 +239,9 @@ def plan_fleet(cfg: Config, pools: tuple[Pool, ...], *, top: int = 5, batches: i
             order += [p.device] * p.count
     must_roll = sum(1 for t in order if t not in may_train)
     can_roll = sum(1 for t in order if t in may_roll)
-    lo = must_roll if tag else max(1, must_roll)  # no rollout device at all: only with TAG (trainers generate)
+    # no rollout device at all: only with TAG (trainers generate), which FSDP trainers do not do
+    all_generate = tag and resolve_shard(cfg.train.shard, cfg.model.finetune, len(order)) != "fsdp"
+    lo = must_roll if all_generate else max(1, must_roll)
     hi = min(can_roll, len(order) - 1)
     if lo > hi:
         raise ConfigError(f"no split of the fleet leaves both a trainer and (for {cfg.schedule.name}) a rollout device "

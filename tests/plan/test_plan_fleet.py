@@ -98,6 +98,20 @@ def test_two_device_case_has_the_known_best_split() -> None:
     assert best.samples_per_s == pytest.approx(measured[("L40S", "H800")], rel=1e-9)
 
 
+def test_split_search_stops_at_a_split_that_does_not_fit() -> None:
+    """Full fine-tuning of Qwen-Image (20B) on 8 H800: FSDP trainers need 6 devices for weights, grads and
+    Adam states, and a 40-step rollout is the bottleneck, so the best split sits right next to splits that
+    do not fit. The search must step over them (it once asked for them forever) and not place 0 rollout
+    devices: FSDP trainers do not generate."""
+    cfg = load_config(CONFIGS / "qwenimage.toml", ["model.finetune=full", "train.shard=fsdp", "rollout.num_steps=40"])
+    result = plan_fleet(cfg, fleet_pools("8xH800"), top=3, batches=4, final_batches=6)
+    assert result.best.rollout == {"H800": 2} and result.best.trainer == {"H800": 6}
+    for cand in result.candidates:
+        _assert_fits(cfg, cand)
+    with pytest.raises(ConfigError, match="memory: the trainer role"):
+        check_memory(_variant(cfg, {"H800": 3}, {"H800": 5}, 1, 1, 1))
+
+
 def test_plan_fleet_writes_a_runnable_config(tmp_path: Path) -> None:
     out = tmp_path / "planned.toml"
     res = CliRunner().invoke(app, ["plan", str(CONFIGS / "flux.toml"), "--fleet", "4xH800", "--batches", "4",
