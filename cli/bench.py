@@ -184,16 +184,16 @@ def _real(schedules: list[str] | None, batches: int, out: Path | None, repeats: 
     table = Table(title=f"digenrl bench bubbles --real (tiny Qwen-Image on this machine, {batches} batches, "
                         f"median of {repeats}; warm-up batch excluded)")
     for col in ("scenario", "schedule", "samples/s", "speedup", "bubble per actor", "stale", "sim samples/s", "sim error",
-                "plan-costs error"):
+                "plan-costs error", "held-out error"):
         table.add_column(col, justify="left" if col in ("scenario", "schedule", "bubble per actor") else "right")
     for r in report["rows"]:
         actors = " ".join(f"{k} {v:.0%}" for k, v in sorted(r["bubble_per_actor"].items()))
         speedup, sim, err = r["speedup_vs_colocated"], r["sim_samples_per_s"], r["sim_error"]
-        plan_err = r.get("sim_error_plan_costs")
+        plan_err, held = r.get("sim_error_plan_costs"), r.get("sim_error_held_out")
         table.add_row(r["scenario"], r["schedule"], f"{r['samples_per_s']:.1f}",
                       f"{speedup:.2f}x" if speedup else "-", actors, str(r["max_staleness"]),
                       f"{sim:.1f}" if sim else "-", f"{err:+.0%}" if err is not None else "-",
-                      f"{plan_err:+.1%}" if plan_err is not None else "-")
+                      f"{plan_err:+.1%}" if plan_err is not None else "-", f"{held:+.1%}" if held is not None else "-")
     console.print(table)
     cal = report["calibration"]
     if "costs_version" in cal:
@@ -201,7 +201,9 @@ def _real(schedules: list[str] | None, batches: int, out: Path | None, repeats: 
                       f"{cal['dispatch_s'] * 1e3:.2f} ms, optimizer step {cal['measured_costs']['optim']['overhead_s'] * 1e3:.1f} ms "
                       f"+ all-reduce {cal['allreduce']['seconds_2'] * 1e3:.2f} ms (2 trainers), publication "
                       f"{cal['measured_costs']['publish']['overhead_s'] * 1e3:.1f} ms; the simulator's error with them "
-                      f"(plan_error, the planner's tolerance) {cal['plan_error']:.1%}")
+                      f"(plan_error, the planner's tolerance) {cal['plan_error']:.1%} in sample"
+                      + (f", {cal['held_out_error']:.1%} held out (each row predicted from the others' tokens)"
+                         if "held_out_error" in cal else ""))
     if out is not None:
         console.print(f"wrote {out / 'bubbles.json'} and per-run traces, metrics and Gantt charts under {out}")
 

@@ -32,7 +32,10 @@ version 2, ``recipes/measure_costs.py``): per-kind fits over every actor run's t
 first actor schedule at finer tokens (row ``real-<schedule>-fine``) adds a second token size, the
 coordinator's per-token overhead, one trainer's optimizer step, the publication and a measured
 2-process all-reduce of the trainable set; and ``plan_error``, the largest |error| of the simulator
-with those costs over the actor rows, which the planner takes as its tolerance.
+with those costs over the actor rows, which the planner takes as its tolerance. That error is in
+sample (the rows are in the fit), so each actor row also gets ``sim_error_held_out``: the plan costs
+fitted to every other row's tokens, then asked for this row (``held_out_error``, the largest). The
+``-fine`` row is the calibration run and gets none: no other row varies a token's size.
 
 With ``colocated`` it also runs ``real-2x1thread``: two independent single-thread colocated runs in
 two processes at once, their samples/s summed. No schedule of two one-thread actor processes can
@@ -225,6 +228,24 @@ def _median(runs: list[Any], key: Any) -> Any:
     return sorted(runs, key=key)[(len(runs) - 1) // 2]
 
 
+def _held_out_costs(alone: dict[str, list[tuple[Token, float]]], overheads: dict[str, list[float]],
+                    allreduce: Any, contention: Contention | None) -> dict[str, MeasuredCost]:
+    """Per actor row, the plan costs fitted to every other row's tokens and overheads: the error they
+    give on that row is out of sample. The ``-fine`` row gets none: it is the calibration run, the only
+    one whose tokens vary in size, so without it nothing separates a token's fixed cost from its work."""
+    out = {}
+    for row in alone:
+        if row.endswith("-fine") or len(alone) < 3:
+            continue
+        tokens = [t for other, ts in alone.items() if other != row for t in ts]
+        try:
+            cost = plan_costs(tokens, [o for other, os in overheads.items() if other != row for o in os], allreduce)
+        except ValueError:  # the other rows lack a token kind (e.g. no optimizer step): no held-out fit
+            continue
+        out[row] = dataclasses.replace(cost, contention=contention)
+    return out
+
+
 def fine_overrides(cfg: Any) -> list[str]:
     """The fine-token calibration run's overrides: a quarter of the fragment size, rollout tokens of two
     steps (then the rest) and TAG helpers of one.
@@ -299,7 +320,7 @@ def run_real_bubbles(schedules: list[str] | None = None, num_batches: int = 8, o
         specs.append((f"{actor}-fine", actor, fine_overrides(probe)))
     # row key -> one (result, tokens, wall, devices, load, steady samples/s) per round
     runs: dict[str, list[tuple[Timeline, list[tuple[Token, float]], float, list[Device], float, float]]] = {}
-    overheads: list[float] = []  # every compute token's per-token overhead, all actor runs
+    overheads: dict[str, list[float]] = {}  # row key -> every compute token's per-token overhead, all its runs
     options: dict[str, dict[str, Any]] = {}  # row key -> the schedule options its runs used
     coloc: dict[str, list[dict[str, Any]]] = {}  # colocated scenario -> one row per round
     predictors: list[tuple[float, MeasuredCost]] = []  # per round: (1-thread samples/s, its costs + contention)
@@ -345,7 +366,7 @@ def run_real_bubbles(schedules: list[str] | None = None, num_batches: int = 8, o
                 options[sched] = sim_options(cfg)
                 start, load = time.perf_counter(), _load()
                 result, tokens, over = run_actors(cfg, root / (f"real-{sched}" + (f"-r{rnd}" if rnd else "")))
-                overheads += [o for _, o in over]
+                overheads.setdefault(sched, []).extend(o for _, o in over)
                 runs.setdefault(sched, []).append((result, tokens, time.perf_counter() - start, list(result.devices),
                                                    load, summarize(result).steady.samples_per_s))
         colocated_row: dict[str, Any] | None = None
@@ -358,15 +379,18 @@ def run_real_bubbles(schedules: list[str] | None = None, num_batches: int = 8, o
         contention = _median_contention([c.contention for _, c in predictors if c.contention])
         predictor = dataclasses.replace(predictor, contention=contention) if predictor else None
         # each token's seconds alone on the host (the simulator applies the contention of each moment again)
-        every_token = [t for rs in runs.values() for run in rs
-                       for t in (alone_seconds(run[1], run[0].spans, contention) if contention else run[1])]
+        alone = {sched: [t for run in rs for t in (alone_seconds(run[1], run[0].spans, contention) if contention
+                                                    else run[1])] for sched, rs in runs.items()}
+        every_token = [t for tokens in alone.values() for t in tokens]
         pooled = dataclasses.replace(MeasuredCost.fit(every_token), contention=contention)
         predictor = predictor or pooled
-        planned = None
+        planned, held_out = None, {}
         if runs:
             first = load_config(config, [*base, f"schedule.name={actor}"])
-            planned = dataclasses.replace(plan_costs(every_token, overheads, measure_allreduce(first)),
-                                          contention=contention)
+            allreduce = measure_allreduce(first)
+            planned = dataclasses.replace(plan_costs(every_token, [o for os in overheads.values() for o in os],
+                                                     allreduce), contention=contention)
+            held_out = _held_out_costs(alone, overheads, allreduce, contention)
         results = []
         for sched, rs in runs.items():
             result, tokens, wall, devices, load, sps = _median(rs, lambda r: r[5])
@@ -375,7 +399,11 @@ def run_real_bubbles(schedules: list[str] | None = None, num_batches: int = 8, o
             row = _row(f"real-{sched}", sched.removesuffix("-fine"), result,
                        _simulated(name, devices, result.workload, predictor, options[sched]), sps, wall, devices)
             errors = [("sim_error_token_fit", pooled), ("sim_error_self_calibrated", MeasuredCost.fit(tokens))]
-            for key, cost in [*errors, *([("sim_error_plan_costs", planned)] if planned else [])]:
+            if planned:
+                errors.append(("sim_error_plan_costs", planned))
+            if sched in held_out:
+                errors.append(("sim_error_held_out", held_out[sched]))
+            for key, cost in errors:
                 own_sps = summarize(_simulated(name, devices, result.workload, cost, options[sched])).steady.samples_per_s
                 row[key] = own_sps / row["samples_per_s"] - 1.0 if row["samples_per_s"] else None
             row["busy_cores_before"] = load
@@ -397,6 +425,9 @@ def run_real_bubbles(schedules: list[str] | None = None, num_batches: int = 8, o
         if planned is not None:
             calibration.update(planned.to_calibration())
             calibration["plan_error"] = max(abs(r["sim_error_plan_costs"]) for r in rows if "sim_error_plan_costs" in r)
+            if held_out:
+                calibration["held_out_error"] = max(abs(r["sim_error_held_out"]) for r in rows
+                                                    if "sim_error_held_out" in r)
             calibration["plan_costs_source"] = (
                 "token fit over every actor run of this bench (fine-token run included) + the median per-token "
                 "overhead + one trainer's median optimizer step + the median publication + a measured 2-process "
@@ -412,6 +443,10 @@ def run_real_bubbles(schedules: list[str] | None = None, num_batches: int = 8, o
                                               "measured_costs, dispatch_s, allreduce); calibration.plan_error is "
                                               "the largest |error| over the actor rows (in-sample: these runs "
                                               "are in the fit)",
+                      "sim_error_held_out": "the same with plan costs fitted without this row's runs (every "
+                                            "other actor row's tokens and overheads): out of sample; not for "
+                                            "the -fine row, the only one whose token sizes vary; "
+                                            "calibration.held_out_error is the largest |error|",
                       "real-<schedule>-fine": "the schedule at finer tokens (a quarter of the fragment size, "
                                               "rollout tokens of num_steps - 1 steps then the rest, TAG helpers of "
                                               "1): the calibration run that separates fixed, per-step and "

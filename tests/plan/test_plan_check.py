@@ -5,11 +5,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 from typer.testing import CliRunner
 
 from digenrl.sim.measured import AllReduce, MeasuredCost
 from digenrl_cli.main import app
-from digenrl_cli.plan_check import candidate_overrides, run_plan_check
+from digenrl_cli.plan_check import candidate_overrides, run_plan_check, sign_test_p
 
 
 def test_plan_check_runs_every_split_and_reads_the_verdict_off_the_measurements(tmp_path: Path) -> None:
@@ -34,6 +35,20 @@ def test_plan_check_runs_every_split_and_reads_the_verdict_off_the_measurements(
     assert check["agrees"] == (rows[best]["split"] == rows[0]["split"])
     assert check["first_vs_best"] == measured[0] / measured[best]
     assert json.loads((out / "plan-check.json").read_text())["agrees"] == check["agrees"]
+    # one round can never separate two placements: at most 1 of 1 wins, p = 0.5
+    assert check["best_wins_rounds"] == int(best != 0) and not check["separated"]
+
+
+def test_sign_test_counts_every_outcome_of_the_rounds() -> None:
+    """By enumeration of all 2^n win/lose sequences: 3 rounds cannot separate two placements (3 of 3:
+    p = 1/8); 7 of 7 can (1/128), 6 of 7 cannot (8/128)."""
+    from itertools import product
+
+    for n in range(1, 9):
+        for wins in range(n + 1):
+            tail = sum(sum(seq) >= wins for seq in product((0, 1), repeat=n)) / 2 ** n
+            assert sign_test_p(wins, n) == pytest.approx(tail, rel=1e-12)
+    assert sign_test_p(3, 3) == 0.125 and sign_test_p(7, 7) < 0.05 < sign_test_p(6, 7)
 
 
 def test_candidate_overrides_are_what_plan_write_sets() -> None:

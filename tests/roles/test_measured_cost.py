@@ -187,3 +187,32 @@ def test_fit_keeps_every_term_non_negative() -> None:
     mx, my = sum(xs) / 4, sum(ys) / 4
     slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
     assert cost.fits["rollout"] == pytest.approx((my - slope * mx, slope))
+
+
+def test_held_out_costs_never_see_the_row_they_predict() -> None:
+    """Each actor row's held-out costs are the plan costs of the other rows' tokens: a row whose own tokens
+    ran 3x slow does not move its own held-out fit (it does move the others'), and the fine row, the only
+    one whose tokens vary in size, gets none."""
+    from digenrl.recipes.bench_real import _held_out_costs
+    from digenrl.sim.measured import AllReduce
+
+    def row(slow: float, samples: int) -> list[tuple[Token, float]]:
+        return [(_tok(TokenKind.ROLLOUT, samples, k), slow * (0.002 + 1e-4 * samples * k)) for k in (1, 2, 3)] + [
+            (_tok(TokenKind.REWARD, samples), slow * 1e-3 * samples),
+            (_tok(TokenKind.TRAIN, rows=samples), slow * (0.01 + 2e-3 * samples)),
+            (_tok(TokenKind.OPTIM), slow * 0.006), (_tok(TokenKind.PUBLISH), slow * 0.008)]
+
+    alone = {"tag": row(1.0, 64), "async1": row(3.0, 64), "async1-fine": row(1.0, 16)}
+    overheads = {"tag": [0.001], "async1": [0.003], "async1-fine": [0.002]}
+    net = AllReduce(1e6, 1e9, 1e-4)
+    held = _held_out_costs(alone, overheads, net, None)
+    assert set(held) == {"tag", "async1"}
+    # async1's held-out fit is the two unslowed rows': the prices they were made from, exactly
+    fits = held["async1"].fits
+    assert fits["rollout"] == pytest.approx((0.002, 1e-4), abs=1e-12) and held["async1"].step_s == pytest.approx(0.0)
+    assert fits["train"] == pytest.approx((0.01, 2e-3), abs=1e-12) and fits["reward"] == pytest.approx((0.0, 1e-3), abs=1e-12)
+    assert fits["optim"][0] == pytest.approx(0.006) and fits["publish"][0] == pytest.approx(0.008)
+    assert held["async1"].dispatch_s == pytest.approx(0.0015)
+    # the slow row is in tag's held-out fit, so tag is priced higher than async1 is
+    assert held["tag"].fits["train"][1] > held["async1"].fits["train"][1] * 1.5
+    assert _held_out_costs({"tag": alone["tag"], "async1": alone["async1"]}, overheads, net, None) == {}
