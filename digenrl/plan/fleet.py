@@ -294,7 +294,10 @@ def plan_fleet(cfg: Config, pools: tuple[Pool, ...], *, top: int = 5, batches: i
         # measured costs are already this device's seconds: speed 1
         devices = [Device(n, roles[n], 1.0 if measured else specs[n].peak_bf16_flops / ref) for n in names]
         cost = measured or CostModel(prof, specs, params, roles)
+        # FSDP trainers do not generate (a forward is a collective of the group), as the coordinator runs them
+        fsdp = resolve_shard(cfg.train.shard, cfg.model.finetune, len(order) - r) == "fsdp"
         schedule = make_schedule(cfg.schedule.name, devices, w, cost, tag_steps=cand.tag_steps,
+                                 **({"tag": False} if fsdp else {}),
                                  fragment_groups=cand.fragment_groups,
                                  **{k: v for k, v in cfg.schedule_options.items() if k not in ("tag_steps",
                                                                                                "fragment_groups")},

@@ -110,6 +110,27 @@ def test_split_search_stops_at_a_split_that_does_not_fit() -> None:
         _assert_fits(cfg, cand)
     with pytest.raises(ConfigError, match="memory: the trainer role"):
         check_memory(_variant(cfg, {"H800": 3}, {"H800": 5}, 1, 1, 1))
+    # priced as the coordinator runs FSDP trainers: they do not generate (TAG off), so no helper tokens
+    from digenrl.policy import trained_steps
+    from digenrl.schedule import make_schedule
+    from digenrl.schedule.base import Device, Role, Workload
+    from digenrl.sim.calibration import calibrated_params
+    from digenrl.sim.cost import CostModel
+    from digenrl.sim.devices import device_spec
+    from digenrl.sim.engine import simulate
+    from digenrl.sim.profiles import profile
+    from digenrl.telemetry.stats import summarize
+
+    ro, best = cfg.rollout, result.best
+    workload = Workload(6, ro.prompts_per_batch, ro.group_size, ro.num_steps, trained_steps(cfg))
+    roles = {f"h800-{i}": Role.ROLLOUT if i < 2 else Role.TRAINER for i in range(8)}
+    devices = [Device(n, r) for n, r in roles.items()]
+    cost = CostModel(profile("qwen-image"), {n: device_spec("H800") for n in roles}, calibrated_params(), roles)
+    sched = make_schedule("async1", devices, workload, cost, tag=False, tag_steps=best.tag_steps,
+                          fragment_groups=best.fragment_groups)
+    res = simulate(sched, devices, workload, cost)
+    assert not any(s.helper for s in res.spans)
+    assert best.samples_per_s == pytest.approx(summarize(res).steady.samples_per_s, rel=1e-9)
 
 
 def test_plan_fleet_writes_a_runnable_config(tmp_path: Path) -> None:
