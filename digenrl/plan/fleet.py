@@ -239,9 +239,12 @@ def plan_fleet(cfg: Config, pools: tuple[Pool, ...], *, top: int = 5, batches: i
             order += [p.device] * p.count
     must_roll = sum(1 for t in order if t not in may_train)
     can_roll = sum(1 for t in order if t in may_roll)
-    # no rollout device at all: only with TAG (trainers generate), which FSDP trainers do not do
-    all_generate = tag and resolve_shard(cfg.train.shard, cfg.model.finetune, len(order)) != "fsdp"
-    lo = must_roll if all_generate else max(1, must_roll)
+    def trainers_generate(n_train: int) -> bool:
+        """TAG on ``n_train`` trainers: FSDP ones do not generate (a forward is a collective of the group),
+        as ``Config.trainers_generate`` and the coordinator say."""
+        return tag and resolve_shard(cfg.train.shard, cfg.model.finetune, n_train) != "fsdp"
+
+    lo = must_roll if trainers_generate(len(order)) else max(1, must_roll)  # 0 rollout devices: trainers generate
     hi = min(can_roll, len(order) - 1)
     if lo > hi:
         raise ConfigError(f"no split of the fleet leaves both a trainer and (for {cfg.schedule.name}) a rollout device "
@@ -294,10 +297,8 @@ def plan_fleet(cfg: Config, pools: tuple[Pool, ...], *, top: int = 5, batches: i
         # measured costs are already this device's seconds: speed 1
         devices = [Device(n, roles[n], 1.0 if measured else specs[n].peak_bf16_flops / ref) for n in names]
         cost = measured or CostModel(prof, specs, params, roles)
-        # FSDP trainers do not generate (a forward is a collective of the group), as the coordinator runs them
-        fsdp = resolve_shard(cfg.train.shard, cfg.model.finetune, len(order) - r) == "fsdp"
         schedule = make_schedule(cfg.schedule.name, devices, w, cost, tag_steps=cand.tag_steps,
-                                 **({"tag": False} if fsdp else {}),
+                                 **({"tag": False} if tag and not trainers_generate(len(order) - r) else {}),
                                  fragment_groups=cand.fragment_groups,
                                  **{k: v for k, v in cfg.schedule_options.items() if k not in ("tag_steps",
                                                                                                "fragment_groups")},

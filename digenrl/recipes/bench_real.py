@@ -65,7 +65,7 @@ from digenrl.schedule.base import Device, Role, Token, Workload
 from digenrl.sim.contention import Contention, alone_seconds, host_cores
 from digenrl.sim.engine import simulate
 from digenrl.recipes.measure_costs import measure_allreduce, plan_costs
-from digenrl.sim.measured import MeasuredCost
+from digenrl.sim.measured import AllReduce, MeasuredCost
 from digenrl.telemetry.spans import Timeline, window_bubbles
 from digenrl.telemetry.stats import summarize
 
@@ -170,17 +170,11 @@ def _load(sample_s: float = 0.5) -> float:
     return busy
 
 
-def _steady(result: Timeline) -> tuple[float, float]:
-    first = result.optim_end.get(min(result.optim_end), 0.0) if len(result.optim_end) > 1 else 0.0
-    return first, max(result.optim_end.values(), default=result.wall)
-
-
 def _row(name: str, schedule: str, result: Timeline, sim: Timeline | None, measured_sps: float,
          wall: float, devices: list[Device]) -> dict[str, Any]:
     st = summarize(result)
     s, f = st.steady, st.full
-    start, end = _steady(result)
-    per_actor = window_bubbles(result.spans, [d.name for d in devices], start, end)
+    per_actor = window_bubbles(result.spans, [d.name for d in devices], s.start, s.end)  # the row's own window
     predicted = summarize(sim).steady.samples_per_s if sim is not None else None
     return {
         "scenario": name, "model": "qwenimage-tiny", "devices": len(devices), "testbed": "measured",
@@ -229,7 +223,7 @@ def _median(runs: list[Any], key: Any) -> Any:
 
 
 def _held_out_costs(alone: dict[str, list[tuple[Token, float]]], overheads: dict[str, list[float]],
-                    allreduce: Any, contention: Contention | None) -> dict[str, MeasuredCost]:
+                    allreduce: AllReduce, contention: Contention | None) -> dict[str, MeasuredCost]:
     """Per actor row, the plan costs fitted to every other row's tokens and overheads: the error they
     give on that row is out of sample. The ``-fine`` row gets none: it is the calibration run, the only
     one whose tokens vary in size, so without it nothing separates a token's fixed cost from its work."""
@@ -247,14 +241,14 @@ def _held_out_costs(alone: dict[str, list[tuple[Token, float]]], overheads: dict
 
 
 def fine_overrides(cfg: Any) -> list[str]:
-    """The fine-token calibration run's overrides: a quarter of the fragment size, rollout tokens of two
-    steps (then the rest) and TAG helpers of one.
+    """The fine-token calibration run's overrides: a quarter of the fragment size, rollout tokens of
+    ``num_steps - 1`` steps (then the rest) and TAG helpers of one.
 
     With the config's whole-trajectory tokens they vary a rollout token's steps apart from its samples,
     which the per-step term of the plan costs needs (``MeasuredCost.fit``). The rollout device's own
     tokens must do it: TAG helpers of one step ran 3 times in a 20-batch run (3 steps, 2 processes), too
-    few to tell a per-step cost from a per-token one; ``step_chunk = 2`` makes every fragment one 2-step
-    and one 1-step token.
+    few to tell a per-step cost from a per-token one; at 3 steps ``step_chunk = 2`` makes every fragment
+    one 2-step and one 1-step token.
     """
     groups = max(1, (cfg.schedule.fragment_groups or cfg.rollout.prompts_per_batch) // 4)
     chunk = max(1, cfg.rollout.num_steps - 1)

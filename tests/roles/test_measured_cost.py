@@ -100,6 +100,10 @@ def test_real_bench_writes_the_plan_costs_it_measured(tmp_path) -> None:
     small = ["rollout.prompts_per_batch=4", "schedule.fragment_groups=2", "schedule.train_pack=16"]
     report = run_real_bubbles(["async1"], num_batches=3, out=tmp_path, overrides=small)
     assert [r["scenario"] for r in report["rows"]] == ["real-async1", "real-async1-fine"]
+    # each actor's bubble is over the row's own steady window: per role it is the row's bubble ratio
+    row = report["rows"][0]
+    assert row["bubble_per_actor"]["rollout-0"] == pytest.approx(row["bubble_ratio"]["rollout"], abs=1e-9)
+    assert row["bubble_per_actor"]["trainer-0"] == pytest.approx(row["bubble_ratio"]["trainer"], abs=1e-9)
     cal = report["calibration"]
     cost = MeasuredCost.from_calibration(cal)  # what `plan --costs` reads: complete
     spans: dict[str, list[float]] = {}
