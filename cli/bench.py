@@ -183,15 +183,17 @@ def _real(schedules: list[str] | None, batches: int, out: Path | None, repeats: 
         raise typer.Exit(2) from exc
     table = Table(title=f"digenrl bench bubbles --real (tiny Qwen-Image on this machine, {batches} batches, "
                         f"median of {repeats}; warm-up batch excluded)")
-    for col in ("scenario", "schedule", "samples/s", "speedup", "bubble per actor", "stale", "sim samples/s", "sim error",
-                "plan-costs error", "held-out error"):
+    for col in ("scenario", "schedule", "samples/s", "speedup", "vs ceiling", "bubble per actor", "stale",
+                "sim samples/s", "sim error", "plan-costs error", "held-out error"):
         table.add_column(col, justify="left" if col in ("scenario", "schedule", "bubble per actor") else "right")
     for r in report["rows"]:
         actors = " ".join(f"{k} {v:.0%}" for k, v in sorted(r["bubble_per_actor"].items()))
         speedup, sim, err = r["speedup_vs_colocated"], r["sim_samples_per_s"], r["sim_error"]
         plan_err, held = r.get("sim_error_plan_costs"), r.get("sim_error_held_out")
         table.add_row(r["scenario"], r["schedule"], f"{r['samples_per_s']:.1f}",
-                      f"{speedup:.2f}x" if speedup else "-", actors, str(r["max_staleness"]),
+                      f"{speedup:.2f}x" if speedup else "-",
+                      f"{r['vs_ceiling']:.2f}" if r.get("vs_ceiling") is not None else "-", actors,
+                      str(r["max_staleness"]),
                       f"{sim:.1f}" if sim else "-", f"{err:+.0%}" if err is not None else "-",
                       f"{plan_err:+.1%}" if plan_err is not None else "-", f"{held:+.1%}" if held is not None else "-")
     console.print(table)
@@ -201,9 +203,16 @@ def _real(schedules: list[str] | None, batches: int, out: Path | None, repeats: 
                       f"{cal['dispatch_s'] * 1e3:.2f} ms, optimizer step {cal['measured_costs']['optim']['overhead_s'] * 1e3:.1f} ms "
                       f"+ all-reduce {cal['allreduce']['seconds_2'] * 1e3:.2f} ms (2 trainers), publication "
                       f"{cal['measured_costs']['publish']['overhead_s'] * 1e3:.1f} ms; the simulator's error with them "
-                      f"(plan_error, the planner's tolerance) {cal['plan_error']:.1%} in sample"
+                      f"(plan_error) {cal['plan_error']:.1%} in sample"
                       + (f", {cal['held_out_error']:.1%} held out (each row predicted from the others' tokens)"
-                         if "held_out_error" in cal else ""))
+                         if "held_out_error" in cal else "")
+                      + (f"; on the ratio of two splits (placement_error, the planner's tolerance) "
+                         f"{cal['placement_error']:.1%} in sample, {cal['placement_error_held_out']:.1%} held out"
+                         if cal.get("placement_error_held_out") is not None else ""))
+    mix = cal.get("contention", {}).get("mix")
+    if mix:
+        console.print("contention per running-kind mix (fitted to the actor runs; each busy process's factor): "
+                      + ", ".join(f"{k} {f:.2f}x" for k, f in mix.items()))
     if out is not None:
         console.print(f"wrote {out / 'bubbles.json'} and per-run traces, metrics and Gantt charts under {out}")
 

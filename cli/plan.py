@@ -64,7 +64,9 @@ def plan(
     tolerance: Annotated[float | None, typer.Option("--tolerance", min=0.0, help="--fleet: keep the config's own "
                                                     "placement first unless another is predicted this fraction "
                                                     "faster (default: the simulator's measured error the --costs "
-                                                    "report states, calibration.plan_error; 0 without --costs).")]
+                                                    "report states: calibration.placement_error, its error on "
+                                                    "the ratio of two splits, else plan_error; 0 without "
+                                                    "--costs).")]
     = None,
 ) -> None:
     """Memory per role and device at the model's real size (built on the meta device, no weights);

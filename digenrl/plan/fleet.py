@@ -18,7 +18,8 @@ device type), and ranks them by predicted steady samples/s:
    token's rows: fewer passes, no memory risk.
 4. **The shipped placement** (the config's own split and token sizes, when the fleet is the size the
    config places) is always a finalist and stays first unless another is predicted faster by more than
-   ``tolerance``, the simulator's measured error (``plan --costs``: the report's ``plan_error``).
+   ``tolerance``, the simulator's measured error (``plan --costs``: the report's ``placement_error``, its
+   held-out error on the ratio of two splits; ``plan_error`` in reports before it).
 
 Candidates are priced with linear activation traces (two traced batch sizes per curve): on the meta
 device a pass's peak is exactly affine in its batch (every activation scales with it; a test compares
@@ -202,7 +203,8 @@ def plan_fleet(cfg: Config, pools: tuple[Pool, ...], *, top: int = 5, batches: i
         if measured.contention is not None:
             c = measured.contention
             extra.append(f"{c.cores} cores shared, slowdown " + ", ".join(
-                f"{f:.2f}x at {n} busy" for n, f in sorted(c.slowdown.items())))
+                [f"{f:.2f}x at {n} busy" for n, f in sorted(c.slowdown.items())]
+                + [f"{f:.2f}x for {k}" for k, f in sorted(c.mix.items())]))
         terms = [f"{k} {o * 1e3:.2f} ms + {p * 1e3:.3f} ms/unit" + (f" + {measured.step_s * 1e3:.3f} ms/step"
                                                                    if k == "rollout" else "")
                  for k, (o, p) in sorted(fits.items()) if p]

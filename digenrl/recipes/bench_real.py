@@ -31,11 +31,15 @@ With an actor schedule the report also carries the costs ``digenrl plan --costs`
 version 2, ``recipes/measure_costs.py``): per-kind fits over every actor run's tokens, to which the
 first actor schedule at finer tokens (row ``real-<schedule>-fine``) adds a second token size, the
 coordinator's per-token overhead, one trainer's optimizer step, the publication and a measured
-2-process all-reduce of the trainable set; and ``plan_error``, the largest |error| of the simulator
-with those costs over the actor rows, which the planner takes as its tolerance. That error is in
-sample (the rows are in the fit), so each actor row also gets ``sim_error_held_out``: the plan costs
-fitted to every other row's tokens, then asked for this row (``held_out_error``, the largest). The
-``-fine`` row is the calibration run and gets none: no other row varies a token's size.
+2-process all-reduce of the trainable set, and the contention per running-kind mix fitted to every
+actor run (``sim/contention.py``); and ``plan_error``, the largest |error| of the simulator with those
+costs over the actor rows. That error is in sample (the rows are in the fit), so each actor row also
+gets ``sim_error_held_out``: the plan costs fitted to every other row's tokens, then asked for this row
+(``held_out_error``, the largest). The ``-fine`` row is the calibration run and gets none: no other row
+varies a token's size. The config's schedule also runs at every other split of its processes (rows
+``real-<schedule>@<r>r<t>t``), and ``placement_error`` is the simulator's error with the plan costs on
+the ratio of two splits: what the planner compares on this machine, so its tolerance
+(``placement_error_held_out``: the same out of sample, for splits no run had).
 
 With ``colocated`` it also runs ``real-2x1thread``: two independent single-thread colocated runs in
 two processes at once, their samples/s summed. No schedule of two one-thread actor processes can
@@ -62,11 +66,11 @@ from digenrl.config import ACTOR_SCHEDULES, load_config
 from digenrl.errors import ConfigError
 from digenrl.schedule import make_schedule
 from digenrl.schedule.base import Device, Role, Token, Workload
-from digenrl.sim.contention import Contention, alone_seconds, host_cores
+from digenrl.sim.contention import Contention, alone_seconds, fit_mix, host_cores
 from digenrl.sim.engine import simulate
 from digenrl.recipes.measure_costs import measure_allreduce, plan_costs
 from digenrl.sim.measured import AllReduce, MeasuredCost
-from digenrl.telemetry.spans import Timeline, window_bubbles
+from digenrl.telemetry.spans import Span, Timeline, window_bubbles
 from digenrl.telemetry.stats import summarize
 
 log = logging.getLogger(__name__)
@@ -222,22 +226,74 @@ def _median(runs: list[Any], key: Any) -> Any:
     return sorted(runs, key=key)[(len(runs) - 1) // 2]
 
 
-def _held_out_costs(alone: dict[str, list[tuple[Token, float]]], overheads: dict[str, list[float]],
-                    allreduce: AllReduce, contention: Contention | None) -> dict[str, MeasuredCost]:
-    """Per actor row, the plan costs fitted to every other row's tokens and overheads: the error they
-    give on that row is out of sample. The ``-fine`` row gets none: it is the calibration run, the only
-    one whose tokens vary in size, so without it nothing separates a token's fixed cost from its work."""
+Run = tuple[list[tuple[Token, float]], list[Span]]  # one real run's measured tokens and its spans
+
+
+def _fit_contention(runs: list[Run], counted: Contention | None, rounds: int = 3
+                    ) -> tuple[Contention | None, list[tuple[Token, float]]]:
+    """The contention ``counted`` (per number of busy processes) with a factor per running-kind mix
+    fitted to ``runs``, and their tokens' seconds alone on the host under it.
+
+    Alternates (``rounds`` times, from the count-based factors): take every token back to its process
+    alone, fit the token costs to that, fit the mixes' factors to each token's measured over fitted
+    seconds (:func:`~digenrl.sim.contention.fit_mix`). Without ``counted`` (no colocated rows measured
+    how processes share the host) the tokens keep their measured seconds.
+    """
+    if counted is None:
+        return None, [t for tokens, _ in runs for t in tokens]
+    host = Device("host", Role.HYBRID)
+    contention = counted
+    for _ in range(rounds):
+        cost = MeasuredCost.fit([t for tokens, spans in runs for t in alone_seconds(tokens, spans, contention)])
+        contention = fit_mix(runs, lambda token: cost.seconds(token, host), counted)
+    return contention, [t for tokens, spans in runs for t in alone_seconds(tokens, spans, contention)]
+
+
+def _held_out_costs(runs: dict[str, list[Run]], overheads: dict[str, list[float]], allreduce: AllReduce,
+                    counted: Contention | None) -> dict[str, MeasuredCost]:
+    """Per actor row, the plan costs (and the contention's mix factors) fitted to every other row's runs
+    and overheads: the error they give on that row is out of sample. The ``-fine`` row gets none: it is
+    the calibration run, the only one whose tokens vary in size, so without it nothing separates a
+    token's fixed cost from its work."""
     out = {}
-    for row in alone:
-        if row.endswith("-fine") or len(alone) < 3:
+    for row in runs:
+        if row.endswith("-fine") or len(runs) < 3:
             continue
-        tokens = [t for other, ts in alone.items() if other != row for t in ts]
+        contention, tokens = _fit_contention([r for other, rs in runs.items() if other != row for r in rs], counted)
         try:
             cost = plan_costs(tokens, [o for other, os in overheads.items() if other != row for o in os], allreduce)
         except ValueError:  # the other rows lack a token kind (e.g. no optimizer step): no held-out fit
             continue
         out[row] = dataclasses.replace(cost, contention=contention)
     return out
+
+
+def other_splits(config: Path, overrides: list[str]) -> list[tuple[int, int]]:
+    """(rollout, trainer) actor counts of every other split of the config's rollout + trainer processes
+    that it allows (e.g. 0 rollout / 2 trainers when the trainers generate with TAG): the placements the
+    planner chooses among on a machine with that many processes."""
+    cfg = load_config(config, overrides)
+    n, out = cfg.placement.rollout + cfg.placement.trainer, []
+    for r in range(n):
+        if r != cfg.placement.rollout:
+            try:
+                load_config(config, [*overrides, f"placement.rollout={r}", f"placement.trainer={n - r}"])
+            except ConfigError:  # e.g. no rollout device while the trainers cannot generate
+                continue
+            out.append((r, n - r))
+    return out
+
+
+def placement_error(rows: list[dict[str, Any]], schedule: str, key: str = "sim_error_plan_costs"
+                    ) -> float | None:
+    """How far off the simulator is on the *ratio* of two placements of ``schedule`` (what the planner
+    compares): the largest ``|(1 + e_a) / (1 + e_b) - 1|`` over pairs of its rows at different splits,
+    ``e`` each row's error ``key``. ``None`` with fewer than two splits."""
+    errors = [r.get(key) for r in rows if r.get("schedule") == schedule and r.get("placement_row")]
+    errors = [e for e in errors if e is not None]
+    if len(errors) < 2:
+        return None
+    return max(abs((1 + a) / (1 + b) - 1) for a in errors for b in errors)
 
 
 def fine_overrides(cfg: Any) -> list[str]:
@@ -257,7 +313,7 @@ def fine_overrides(cfg: Any) -> list[str]:
 
 def run_real_bubbles(schedules: list[str] | None = None, num_batches: int = 8, out: Path | None = None,
                      config: Path = DEFAULT_CONFIG, overrides: list[str] | None = None,
-                     repeats: int = 1, fine_tokens: bool = True) -> dict[str, Any]:
+                     repeats: int = 1, fine_tokens: bool = True, splits: bool = True) -> dict[str, Any]:
     """Train the tiny model for real under each schedule and compare with the calibrated simulator.
 
     Args:
@@ -275,6 +331,12 @@ def run_real_bubbles(schedules: list[str] | None = None, num_batches: int = 8, o
             tokens (``fine_overrides``: a quarter of the fragment size, shorter step ranges) in every
             round: row ``real-<schedule>-fine``. Its smaller tokens are what lets the plan costs
             separate a token's fixed cost, its per-step cost and its per-sample-step cost.
+        splits: with an actor schedule, also run that schedule at every other split of the config's
+            rollout + trainer processes (:func:`other_splits`) in every round: rows
+            ``real-<schedule>@<r>r<t>t``. They are the placements the planner chooses among on this
+            machine, so ``placement_error`` (how far off the simulator is on their ratio, the planner's
+            tolerance) is measured, and their tokens run in mixes (train beside train) the config's own
+            split never has.
 
     Returns:
         The ``bubbles.json`` content: ``rows``, ``calibration`` and ``definitions``. With an actor
@@ -310,6 +372,9 @@ def run_real_bubbles(schedules: list[str] | None = None, num_batches: int = 8, o
     actors = [s.removesuffix("+reward") for s in chosen if s != "colocated"]
     # the config's own schedule when it runs here (its TAG helper tokens are what `plan` sizes), else the first
     actor = probe.schedule.name if probe.schedule.name in actors else next(iter(actors), None)
+    if splits and actor is not None:
+        specs += [(f"{actor}@{r}r{t}t", actor, [f"placement.rollout={r}", f"placement.trainer={t}"])
+                  for r, t in other_splits(config, [*base, f"schedule.name={actor}"])]
     if fine_tokens and actor is not None:
         specs.append((f"{actor}-fine", actor, fine_overrides(probe)))
     # row key -> one (result, tokens, wall, devices, load, steady samples/s) per round
@@ -371,27 +436,29 @@ def run_real_bubbles(schedules: list[str] | None = None, num_batches: int = 8, o
             rows.append(row)
         predictor = _median(predictors, lambda p: p[0])[1] if predictors else None
         contention = _median_contention([c.contention for _, c in predictors if c.contention])
+        # the colocated prediction: counted contention only, made before looking at any actor run
         predictor = dataclasses.replace(predictor, contention=contention) if predictor else None
-        # each token's seconds alone on the host (the simulator applies the contention of each moment again)
-        alone = {sched: [t for run in rs for t in (alone_seconds(run[1], run[0].spans, contention) if contention
-                                                    else run[1])] for sched, rs in runs.items()}
-        every_token = [t for tokens in alone.values() for t in tokens]
-        pooled = dataclasses.replace(MeasuredCost.fit(every_token), contention=contention)
+        # the actor runs add a factor per running-kind mix; every token's seconds alone on the host under
+        # it (the simulator applies the contention of each moment again)
+        actor_runs = {sched: [(run[1], run[0].spans) for run in rs] for sched, rs in runs.items()}
+        mixed, every_token = _fit_contention([r for rs in actor_runs.values() for r in rs], contention)
+        pooled = dataclasses.replace(MeasuredCost.fit(every_token), contention=mixed)
         predictor = predictor or pooled
         planned, held_out = None, {}
         if runs:
             first = load_config(config, [*base, f"schedule.name={actor}"])
             allreduce = measure_allreduce(first)
             planned = dataclasses.replace(plan_costs(every_token, [o for os in overheads.values() for o in os],
-                                                     allreduce), contention=contention)
-            held_out = _held_out_costs(alone, overheads, allreduce, contention)
+                                                     allreduce), contention=mixed)
+            held_out = _held_out_costs(actor_runs, overheads, allreduce, contention)
         results = []
         for sched, rs in runs.items():
             result, tokens, wall, devices, load, sps = _median(rs, lambda r: r[5])
 
             name = next(n for k, n, _ in specs if k == sched).removesuffix("+reward")
-            row = _row(f"real-{sched}", sched.removesuffix("-fine"), result,
+            row = _row(f"real-{sched}", sched.removesuffix("-fine").split("@")[0], result,
                        _simulated(name, devices, result.workload, predictor, options[sched]), sps, wall, devices)
+            row["placement_row"] = sched == actor or sched.startswith(f"{actor}@")  # the config's schedule, a split
             errors = [("sim_error_token_fit", pooled), ("sim_error_self_calibrated", MeasuredCost.fit(tokens))]
             if planned:
                 errors.append(("sim_error_plan_costs", planned))
@@ -406,22 +473,29 @@ def run_real_bubbles(schedules: list[str] | None = None, num_batches: int = 8, o
             results.append(result)
         base_sps = colocated_row["samples_per_s"] if colocated_row else None
         one = next((r["samples_per_s"] for r in rows if r["scenario"].endswith("-1thread")), None)
+        ceiling = [r["samples_per_s"] for r in coloc.get("real-2x1thread", [])]  # one per round, in order
         for r in rows:
             r["speedup_vs_colocated"] = r["samples_per_s"] / base_sps if base_sps else None
             r["speedup_vs_colocated_1thread"] = r["samples_per_s"] / one if one else None
+            if ceiling and len(ceiling) == len(r.get("samples_per_s_runs") or []):  # a row of every round
+                r["vs_ceiling_rounds"] = [a / c for a, c in zip(r["samples_per_s_runs"], ceiling)]
+                r["vs_ceiling"] = statistics.median(r["vs_ceiling_rounds"])
         source = ("this run's 1-thread colocated phases (median round) with the contention its <k>x1thread "
                   "rows measured (per k, the median over rounds of the same-round slowdown)" if predictors
                   else "pooled real tokens of this run's actor schedules")
         calibration: dict[str, Any] = {"colocated_costs": predictor.to_dict(), "source": source,
                                        "token_fit": pooled.to_dict()}
-        if contention is not None:
-            calibration["contention"] = contention.to_dict()
+        if mixed is not None:
+            calibration["contention"] = mixed.to_dict()
         if planned is not None:
             calibration.update(planned.to_calibration())
             calibration["plan_error"] = max(abs(r["sim_error_plan_costs"]) for r in rows if "sim_error_plan_costs" in r)
             if held_out:
                 calibration["held_out_error"] = max(abs(r["sim_error_held_out"]) for r in rows
                                                     if "sim_error_held_out" in r)
+            if actor is not None and (between := placement_error(rows, actor)) is not None:
+                calibration["placement_error"] = between
+                calibration["placement_error_held_out"] = placement_error(rows, actor, "sim_error_held_out")
             calibration["plan_costs_source"] = (
                 "token fit over every actor run of this bench (fine-token run included) + the median per-token "
                 "overhead + one trainer's median optimizer step + the median publication + a measured 2-process "
@@ -441,6 +515,19 @@ def run_real_bubbles(schedules: list[str] | None = None, num_batches: int = 8, o
                                             "other actor row's tokens and overheads): out of sample; not for "
                                             "the -fine row, the only one whose token sizes vary; "
                                             "calibration.held_out_error is the largest |error|",
+                      "real-<schedule>@<r>r<t>t": "the config's schedule at another split of its rollout + "
+                                                  "trainer processes (r rollout, t trainer actors): the "
+                                                  "placements the planner chooses among on this machine",
+                      "placement_error": "calibration.placement_error: the largest |(1 + e_a) / (1 + e_b) - 1| "
+                                         "over the config's schedule at its splits (e: sim_error_plan_costs), "
+                                         "the error on the ratio of two placements of the costs the planner "
+                                         "prices them with: its tolerance on this machine, whose splits all ran; "
+                                         "placement_error_held_out: the same with each row's held-out error "
+                                         "(how well a split never run is predicted, e.g. on a larger fleet)",
+                      "contention.mix": "per running-kind mix (e.g. rollout+train), each busy process's run "
+                                        "time factor, fitted to the actor runs' tokens (sim/contention.py "
+                                        "fit_mix); other mixes take the factor of their count times "
+                                        "contention.mix_scale (the fitted mixes' mean ratio to their counts')",
                       "real-<schedule>-fine": "the schedule at finer tokens (a quarter of the fragment size, "
                                               "rollout tokens of num_steps - 1 steps then the rest, TAG helpers of "
                                               "1): the calibration run that separates fixed, per-step and "
@@ -454,6 +541,10 @@ def run_real_bubbles(schedules: list[str] | None = None, num_batches: int = 8, o
                                           "mean of the k: calibration.contention, what the simulator slows each "
                                           "of k busy devices by (sim/contention.py)",
                       "samples_per_s_runs": "every round's samples/s (repeats); the row is the median run",
+                      "vs_ceiling": "the median over rounds of the row's samples/s over the same round's "
+                                    "real-2x1thread (vs_ceiling_rounds): a round that ran the whole machine "
+                                    "slower slows both alike, which the ratio of the two rows' medians does not "
+                                    "cancel",
                       "busy_cores_before": "cores busy with other processes just before the run (/proc/stat "
                                            "over 0.5 s): rows measured at different loads are not comparable"}}
         if out is not None:

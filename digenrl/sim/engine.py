@@ -18,8 +18,8 @@ token running on a rollout device starts over; the work thrown away becomes an `
 
 ``contention`` models devices that are single-thread processes sharing a CPU host's cores
 (:mod:`digenrl.sim.contention`): the engine then runs on a work clock, every busy device advancing at
-``1 / contention.factor(busy devices)``, and maps every time back to wall seconds at the end. Without
-it work and wall seconds are the same and nothing is mapped.
+``1 / contention.mix_factor(kinds the busy devices run)``, and maps every time back to wall seconds at
+the end. Without it work and wall seconds are the same and nothing is mapped.
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ def simulate(schedule: Schedule, devices: list[Device], workload: Workload, cost
             running and not done), it reports ``failed``, or ``max_tokens`` is exceeded.
     """
     by_name = {d.name: d for d in devices}
-    busy: dict[str, int] = {}
+    busy: dict[str, Token] = {}  # device -> the token it runs
     mode: dict[str, bool] = {}  # trainer -> currently set up as a helper (holds rollout weights)
     heap: list[tuple[float, int, float, Token]] = []
     spans: list[Span] = []
@@ -77,8 +77,8 @@ def simulate(schedule: Schedule, devices: list[Device], workload: Workload, cost
                 if name not in by_name:
                     raise SimulationError(f"token {token.id} ({token.kind}) names unknown device {name!r}")
                 if name in busy:
-                    raise SimulationError(
-                        f"token {token.id} ({token.kind}) issued to busy device {name!r} (running token {busy[name]})")
+                    raise SimulationError(f"token {token.id} ({token.kind}) issued to busy device {name!r} "
+                                          f"(running token {busy[name].id})")
             device = by_name[token.device]
             start = now
             if device.role is Role.TRAINER and token.kind in (TokenKind.ROLLOUT, TokenKind.REWARD, TokenKind.TRAIN):
@@ -96,7 +96,7 @@ def simulate(schedule: Schedule, devices: list[Device], workload: Workload, cost
             if sync_aborts and token.kind is TokenKind.ROLLOUT and device.role is Role.ROLLOUT:
                 rollout_span[token.id] = len(spans)
             for name in occupied:
-                busy[name] = token.id
+                busy[name] = token
                 spans.append(Span(name, token.kind, token.batch, token.fragment, token.policy_version, start, end,
                                   token.num_samples if name == token.device else 0, token.helper, token.id))
             heapq.heappush(heap, (end, seq, seconds, token))
@@ -107,7 +107,7 @@ def simulate(schedule: Schedule, devices: list[Device], workload: Workload, cost
     while heap:
         now, _, seconds, token = heapq.heappop(heap)
         if clock is not None:
-            clock.advance(now, len(busy))  # busy: the devices that ran since the previous event
+            clock.advance(now, [t.kind.value for t in busy.values()])  # what ran since the previous event
             seconds = clock.wall(now) - clock.wall(began.pop(token.id))  # what a real driver observes
         for name in token.devices:
             del busy[name]

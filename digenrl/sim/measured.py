@@ -271,9 +271,11 @@ class MeasuredCost:
 
     @staticmethod
     def report_error(path: str | Path) -> float | None:
-        """The simulator's measured error the report states for these costs (``calibration.plan_error``)."""
+        """The simulator's measured error the report states for comparing placements with these costs:
+        ``calibration.placement_error`` (its error on the ratio of two splits), else ``plan_error``."""
         try:
-            value = MeasuredCost.read_calibration(path).get("plan_error")
+            cal = MeasuredCost.read_calibration(path)
+            value = cal.get("placement_error", cal.get("plan_error"))
         except ConfigError:
             return None
         return float(value) if isinstance(value, int | float) else None

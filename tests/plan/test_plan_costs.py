@@ -55,6 +55,10 @@ def test_costs_round_trip_through_a_report_and_old_reports_are_refused(tmp_path:
     back = MeasuredCost.from_report(report)
     assert back == cost
     assert MeasuredCost.report_error(report) == pytest.approx(0.04)
+    # a report that ran the config at its other splits: the error on their ratio is the planner's tolerance
+    report.write_text(json.dumps({"calibration": {**cost.to_calibration(), "plan_error": 0.04,
+                                                  "placement_error": 0.015}}))
+    assert MeasuredCost.report_error(report) == pytest.approx(0.015)
     # a version-1 report: per-kind fits only (what `bench bubbles --real` wrote before)
     report.write_text(json.dumps({"calibration": {"measured_costs": {
         k: {"overhead_s": 0.0, "per_unit_s": v} for k, v in PER_UNIT.items()}}}))

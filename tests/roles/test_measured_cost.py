@@ -67,7 +67,10 @@ def test_real_bench_measures_colocated_the_pair_ceiling_and_async1(tmp_path) -> 
     report = run_real_bubbles(["colocated", "async1", "async1+reward"], num_batches=3, out=tmp_path, overrides=small)
     rows = {r["scenario"]: r for r in report["rows"]}
     assert list(rows) == ["real-colocated", "real-colocated-1thread", "real-2x1thread", "real-3x1thread",
-                          "real-async1", "real-async1+reward", "real-async1-fine"]
+                          "real-async1", "real-async1+reward", "real-async1@0r2t", "real-async1-fine"]
+    # the actor runs fitted a factor per running-kind mix on top of the counted ones
+    mix = report["calibration"]["contention"]["mix"]
+    assert mix and all(len(k.split("+")) >= 2 and f > 0 for k, f in mix.items())
     # a row with 3 actor processes: the trio measured beside the pair, both slowdowns in the calibration
     one, trio = rows["real-colocated-1thread"]["samples_per_s"], rows["real-3x1thread"]
     assert len(trio["samples_per_s_processes"]) == 3
@@ -76,6 +79,9 @@ def test_real_bench_measures_colocated_the_pair_ceiling_and_async1(tmp_path) -> 
         "2": pytest.approx(rows["real-2x1thread"]["slowdown"]), "3": pytest.approx(trio["slowdown"])}
     pair = rows["real-2x1thread"]
     assert len(pair["samples_per_s_processes"]) == 2 and pair["samples_per_s"] == sum(pair["samples_per_s_processes"])
+    # against the ceiling of the same round (one round here)
+    async1 = rows["real-async1"]
+    assert async1["vs_ceiling"] == pytest.approx(async1["samples_per_s"] / pair["samples_per_s"])
     assert all(r["samples_per_s"] > 0 for r in rows.values())
     assert rows["real-colocated"]["speedup_vs_colocated"] == 1.0
     assert set(rows["real-async1"]["bubble_per_actor"]) == {"rollout-0", "trainer-0"}
@@ -99,7 +105,9 @@ def test_real_bench_writes_the_plan_costs_it_measured(tmp_path) -> None:
 
     small = ["rollout.prompts_per_batch=4", "schedule.fragment_groups=2", "schedule.train_pack=16"]
     report = run_real_bubbles(["async1"], num_batches=3, out=tmp_path, overrides=small)
-    assert [r["scenario"] for r in report["rows"]] == ["real-async1", "real-async1-fine"]
+    # the config's schedule at its other split (0 rollout / 2 trainers: they generate with TAG) too
+    assert [r["scenario"] for r in report["rows"]] == ["real-async1", "real-async1@0r2t", "real-async1-fine"]
+    assert report["rows"][1]["split"] == {"rollout": 0, "trainer": 2, "hybrid": 0}
     # each actor's bubble is over the row's own steady window: per role it is the row's bubble ratio
     row = report["rows"][0]
     assert row["bubble_per_actor"]["rollout-0"] == pytest.approx(row["bubble_ratio"]["rollout"], abs=1e-9)
@@ -107,13 +115,16 @@ def test_real_bench_writes_the_plan_costs_it_measured(tmp_path) -> None:
     cal = report["calibration"]
     cost = MeasuredCost.from_calibration(cal)  # what `plan --costs` reads: complete
     spans: dict[str, list[float]] = {}
-    for run in ("real-async1", "real-async1-fine"):
+    one_trainer: list[float] = []  # optim spans of the runs with one trainer (the pair's include its all-reduce)
+    for run in ("real-async1", "real-async1@0r2t", "real-async1-fine"):
         events = json.loads((tmp_path / run / "trace.json").read_text())["traceEvents"]
         for e in events:
             if e.get("ph") == "X":
                 spans.setdefault(e["cat"], []).append(e["dur"] / 1e6)
+                if e["cat"] == "optim" and "@" not in run:
+                    one_trainer.append(e["dur"] / 1e6)
     # one trainer: its optimizer step and publication are the median of the runs' optim / publish spans
-    assert cost.fits["optim"][0] == pytest.approx(statistics.median(spans["optim"]), rel=1e-3)
+    assert cost.fits["optim"][0] == pytest.approx(statistics.median(one_trainer), rel=1e-3)
     assert cost.fits["publish"][0] == pytest.approx(statistics.median(spans["publish"]), rel=1e-3)
     # the all-reduce moved the trainable set's gradients (fp32 LoRA here)
     _, params = build_model(load_config(DEFAULT_CONFIG, small))
@@ -124,6 +135,11 @@ def test_real_bench_writes_the_plan_costs_it_measured(tmp_path) -> None:
     assert 0 < cal["dispatch_s"] < statistics.median(spans["rollout"] + spans["train"])
     # the fine run had smaller tokens, so the fits see two sizes; the error the planner uses is the rows' worst
     assert cal["plan_error"] == pytest.approx(max(abs(r["sim_error_plan_costs"]) for r in report["rows"]))
+    # the planner's tolerance: the plan costs' error on the ratio of the two splits, either way round
+    for key, error in (("sim_error_plan_costs", "placement_error"), ("sim_error_held_out", "placement_error_held_out")):
+        e1, e2 = (r[key] for r in report["rows"][:2])
+        assert cal[error] == pytest.approx(max(abs((1 + e1) / (1 + e2) - 1), abs((1 + e2) / (1 + e1) - 1)))
+    assert MeasuredCost.report_error(tmp_path / "bubbles.json") == cal["placement_error"]
     assert json.loads((tmp_path / "bubbles.json").read_text())["calibration"]["costs_version"] == 3
 
 
@@ -206,7 +222,8 @@ def test_held_out_costs_never_see_the_row_they_predict() -> None:
             (_tok(TokenKind.TRAIN, rows=samples), slow * (0.01 + 2e-3 * samples)),
             (_tok(TokenKind.OPTIM), slow * 0.006), (_tok(TokenKind.PUBLISH), slow * 0.008)]
 
-    alone = {"tag": row(1.0, 64), "async1": row(3.0, 64), "async1-fine": row(1.0, 16)}
+    # one run per row, no contention measured: the tokens' seconds are taken as they are
+    alone = {"tag": [(row(1.0, 64), [])], "async1": [(row(3.0, 64), [])], "async1-fine": [(row(1.0, 16), [])]}
     overheads = {"tag": [0.001], "async1": [0.003], "async1-fine": [0.002]}
     net = AllReduce(1e6, 1e9, 1e-4)
     held = _held_out_costs(alone, overheads, net, None)

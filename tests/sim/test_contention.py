@@ -23,7 +23,18 @@ def test_factor_uses_the_measured_counts_and_time_shares_beyond_them() -> None:
     assert Contention.from_dict(c.to_dict()) == c
 
 
-@pytest.mark.parametrize(("args", "field"), [((0,), "cores"), ((2, {2: 0.0}), r"slowdown\[2\]")])
+def test_a_mix_factor_replaces_its_counts_and_survives_a_round_trip() -> None:
+    c = Contention(2, {2: 1.04, 3: 1.5}, {"rollout+train": 1.12, "rollout+rollout": 0.99}, 1.05)
+    assert c.mix_factor(["train", "rollout"]) == 1.12 and c.mix_factor(["rollout", "rollout"]) == 0.99
+    assert c.mix_factor(["reward", "train"]) == pytest.approx(1.04 * 1.05)  # not fitted: its count's, rescaled
+    assert c.mix_factor(["reward", "rollout", "train"]) == pytest.approx(1.5 * 1.05)
+    assert c.mix_factor(["train"]) == c.mix_factor([]) == 1.0
+    assert Contention.from_dict(c.to_dict()) == c
+    assert Contention.from_dict({"cores": 2, "slowdown": {"2": 1.04}}).mix == {}  # reports before mixes
+
+
+@pytest.mark.parametrize(("args", "field"), [((0,), "cores"), ((2, {2: 0.0}), r"slowdown\[2\]"),
+                                             ((2, {}, {"rollout+train": -1.0}), r"mix\['rollout\+train'\]")])
 def test_bad_contention_is_named(args: tuple, field: str) -> None:
     with pytest.raises(ConfigError, match=field):
         Contention(*args)
@@ -156,3 +167,44 @@ def test_bench_contention_takes_each_counts_median_over_rounds() -> None:
     assert _median_contention(rounds) == Contention(2, {2: 0.98, 3: 1.50})
     assert _median_contention([Contention(2, {2: 1.0}), Contention(2, {})]) == Contention(2, {2: 1.0})
     assert _median_contention([]) is None
+
+
+class _AlongsideTrain(_Alongside):
+    """As :class:`_Alongside`, c's tokens are TRAIN: the mixes are rollout+rollout and rollout+rollout+train."""
+
+    def _tok(self, d: str) -> Token:
+        token = super()._tok(d)
+        return Token(token.id, TokenKind.TRAIN, d, 0, meta={"s": 1.0}) if d == "c" else token
+
+
+def test_the_engine_slows_each_moment_by_its_mix() -> None:
+    """a and b always busy, c beside every second token of a: (pair 1.1, trio with c's train 1.9) -> a's 8
+    tokens take 4 x (1.9 + 1.1); the counted factors (1.0, 1.5) alone give 4 x 2.5."""
+    counted = Contention(2, {2: 1.0, 3: 1.5})
+    mixed = Contention(2, {2: 1.0, 3: 1.5}, {"rollout+rollout": 1.1, "rollout+rollout+train": 1.9})
+    w = Workload(1, 1, 1, 1, 1)
+    assert simulate(_AlongsideTrain(8, 2), _ABC, w, _FixedCost(), contention=counted).wall == pytest.approx(10.0)  # type: ignore[arg-type]
+    assert simulate(_AlongsideTrain(8, 2), _ABC, w, _FixedCost(), contention=mixed).wall == pytest.approx(12.0)  # type: ignore[arg-type]
+
+
+def test_fit_mix_recovers_the_mix_factors_a_run_had() -> None:
+    """Tokens whose seconds the engine stretched by known mix factors (1 s each alone): the fit gets the factors
+    back from the spans alone."""
+    from digenrl.sim.contention import fit_mix
+
+    counted = Contention(2, {2: 1.0, 3: 1.5})
+    truth = Contention(2, {2: 1.0, 3: 1.5}, {"rollout+rollout": 1.1, "rollout+rollout+train": 1.9})
+    res = simulate(_AlongsideTrain(12, 3), _ABC, Workload(1, 1, 1, 1, 1), _FixedCost(), contention=truth)  # type: ignore[arg-type]
+    kinds = {"a": TokenKind.ROLLOUT, "b": TokenKind.ROLLOUT, "c": TokenKind.TRAIN}
+    tokens = [(Token(s.token, kinds[s.device], s.device, 0), s.end - s.start) for s in res.spans]
+    fitted = fit_mix([(tokens, res.spans)], lambda token: 1.0, counted, prior_weight=1e-9)
+    assert fitted.mix == pytest.approx(truth.mix, rel=1e-6)
+    assert fitted.slowdown == counted.slowdown
+    # other mixes on the fit's scale: its factors' time-weighted mean over their counts' (1.0 and 1.5)
+    # (a and b are busy throughout, c only beside them: every token counts the time of each mix it ran in)
+    trio = sum(s.end - s.start for s in res.spans if s.device == "c")
+    pair = res.wall - trio
+    expected = (2 * pair * 1.1 / 1.0 + 3 * trio * 1.9 / 1.5) / (2 * pair + 3 * trio)
+    assert fitted.mix_scale == pytest.approx(expected, rel=1e-6)
+    # no mix holds 99% of the tokens' time: nothing fitted, the counted factors stand
+    assert fit_mix([(tokens, res.spans)], lambda token: 1.0, counted, min_share=0.99) == counted
