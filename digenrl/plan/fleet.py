@@ -18,8 +18,8 @@ device type), and ranks them by predicted steady samples/s:
    token's rows: fewer passes, no memory risk.
 4. **The shipped placement** (the config's own split and token sizes, when the fleet is the size the
    config places) is always a finalist and stays first unless another is predicted faster by more than
-   ``tolerance``, the simulator's measured error (``plan --costs``: the report's ``placement_error``, its
-   held-out error on the ratio of two splits; ``plan_error`` in reports before it).
+   ``tolerance``, the simulator's measured error (``plan --costs``: the report's ``placement_error``, the
+   error of its costs on the ratio of two splits the bench ran; ``plan_error`` in reports before it).
 
 Candidates are priced with linear activation traces (two traced batch sizes per curve): on the meta
 device a pass's peak is exactly affine in its batch (every activation scales with it; a test compares

@@ -17,7 +17,8 @@ What runs beside a process matters too, not only how many: on this 2-core machin
 backward pass ran 8-13% slower than beside another rollout (the plan check's traces, 1 rollout / 1
 trainer against 2 trainers in lockstep). ``Contention.mix`` holds a factor per running-kind mix
 (``"rollout+train"``: every busy process's factor while exactly a rollout and a train token run),
-fitted by :func:`fit_mix` to real runs' tokens; a mix it does not hold takes the count's factor. Within
+fitted by :func:`fit_mix` to real runs' tokens; a mix it does not hold takes the count's factor, on the
+fit's scale (``mix_scale``). Within
 a mix all busy processes still slow alike (one work clock), which is what lets the planner see that
 two trainers in lockstep (like beside like) outrun a rollout beside a trainer.
 """
