@@ -41,11 +41,12 @@ def _rel(p: Path) -> str:
         return str(p)
 
 
-def build(config: Path):  # noqa: ANN201 - the model type lives below this script
+def build(config: Path, preset: str = ""):  # noqa: ANN201 - the model type lives below this script
     from digenrl.config import load_config
     from digenrl.models import load_model
 
-    cfg = load_config(config, ["model.init=''", "model.vae_init=default"])
+    chosen = [f"model.preset={preset}"] if preset else []
+    cfg = load_config(config, ["model.init=''", "model.vae_init=default", *chosen])
     m = cfg.model
     model = load_model(m.name, m.preset, seed=m.seed, resolution=(m.resolution[0], m.resolution[1]),
                        guidance_scale=m.guidance_scale, text_len=m.text_len or None)
@@ -175,6 +176,7 @@ def main() -> None:
     ap.add_argument("--config", type=Path, default=ROOT / "configs" / "tiny-qwenimage.toml")
     ap.add_argument("--out", type=Path, default=ROOT / "checkpoints" / "tiny-shapes")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--preset", default="", help="model.preset instead of the config's (tiny4x: 4x-downsampling VAE)")
     ap.add_argument("--threads", type=int, default=1)  # 2 threads on a shared 2-core machine: 5x slower
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--vae-batch", type=int, default=16)
@@ -196,7 +198,7 @@ def main() -> None:
     def log(msg: str) -> None:
         print(f"[{time.perf_counter() - t0:6.1f}s] {msg}", flush=True)
 
-    cfg, model = build(args.config)
+    cfg, model = build(args.config, args.preset)
     args.size = cfg.model.resolution[0]
     if cfg.model.resolution[0] != cfg.model.resolution[1]:
         sys.exit(f"{args.config}: model.resolution must be square for the shapes dataset")

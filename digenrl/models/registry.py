@@ -27,7 +27,7 @@ _MODELS: dict[str, tuple[str, str]] = {
 MODEL_NAMES: tuple[str, ...] = tuple(_MODELS)
 # "full": the published architecture at real size on the meta device, no weights (models/full.py);
 # the memory plan builds it, nothing can sample with it.
-PRESETS: tuple[str, ...] = ("tiny", "small", "pretrained", "full")
+PRESETS: tuple[str, ...] = ("tiny", "tiny4x", "small", "pretrained", "full")
 
 
 def load_model(
@@ -47,7 +47,8 @@ def load_model(
 
     Args:
         name: one of ``MODEL_NAMES``.
-        preset: ``"tiny"``, ``"small"`` or ``"pretrained"``.
+        preset: ``"tiny"``, ``"small"`` or ``"pretrained"`` (Qwen-Image also ``"tiny4x"``: the tiny transformer
+            over a 4x-downsampling VAE, 16 image tokens at 32 px instead of 4).
         path: local diffusers pipeline directory; required for ``"pretrained"``, ignored otherwise.
         device, dtype: where and in which precision the components live (fp32 is the CPU default).
         seed: initialisation seed of the random presets.
@@ -69,6 +70,8 @@ def load_model(
     if preset == "full":
         raise ConfigError("model.preset: 'full' is the published architecture without weights (for `digenrl plan`); "
                           "train with preset 'pretrained' and model.path, or 'tiny' on a CPU")
+    if preset == "tiny4x" and name != "qwenimage":
+        raise ConfigError(f"model.preset: 'tiny4x' (a 4x-downsampling VAE) exists for qwenimage only, not {name!r}")
     module, cls_name = _MODELS[name]
     cls = getattr(importlib.import_module(module), cls_name)
     kwargs = dict(path=path, device=device, dtype=dtype, seed=seed, resolution=resolution,

@@ -171,3 +171,22 @@ def test_conditionings_of_separate_batches_concatenate(qwen, caplog):
     with caplog.at_level("WARNING"):
         long = qwen.encode_prompts(["x" * 200])
     assert long["prompt_embeds"].shape[1] == qwen.text_len and "truncated" in caplog.text
+
+
+def test_tiny4x_sees_sixteen_image_tokens_at_32_px() -> None:
+    """The 4x-downsampling VAE: an 8x8 latent packed 2x2 -> 16 tokens (the tiny preset: 4), drawn as the stock
+    pipeline draws them, and decoded back to 32 px; other models refuse the preset by name."""
+    from diffusers import QwenImagePipeline
+
+    from digenrl.errors import ConfigError
+
+    four = load_model("qwenimage", "tiny4x", seed=0, resolution=(32, 32))
+    eight = load_model("qwenimage", "tiny", seed=0, resolution=(32, 32))
+    a = four.prepare_latents(2, torch.Generator().manual_seed(5))
+    assert a.shape == (2, 16, 64) and eight.prepare_latents(2).shape == (2, 4, 64)
+    b = QwenImagePipeline(**four.pipe.components).prepare_latents(
+        2, 16, 32, 32, torch.float32, "cpu", torch.Generator().manual_seed(5))
+    torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert four.decode(a).shape == (2, 3, 32, 32)
+    with pytest.raises(ConfigError, match="tiny4x.*qwenimage only"):
+        load_model("flux", "tiny4x", seed=0)
