@@ -72,7 +72,7 @@ def test_pretrained_missing_weight_file_named(saved_qwen, tmp_path):
 def test_unknown_name_and_preset_list_allowed_values():
     with pytest.raises(ConfigError, match="allowed: qwenimage, flux, wan21, hunyuanvideo"):
         load_model("sd3", "tiny")
-    with pytest.raises(ConfigError, match="allowed: tiny, small, pretrained"):
+    with pytest.raises(ConfigError, match="allowed: tiny, tiny4x, small, pretrained"):
         load_model("qwenimage", "huge")
 
 
