@@ -284,13 +284,11 @@ def other_splits(config: Path, overrides: list[str]) -> list[tuple[int, int]]:
     return out
 
 
-def placement_error(rows: list[dict[str, Any]], schedule: str, key: str = "sim_error_plan_costs"
-                    ) -> float | None:
-    """How far off the simulator is on the *ratio* of two placements of ``schedule`` (what the planner
-    compares): the largest ``|(1 + e_a) / (1 + e_b) - 1|`` over pairs of its rows at different splits,
-    ``e`` each row's error ``key``. ``None`` with fewer than two splits."""
-    errors = [r.get(key) for r in rows if r.get("schedule") == schedule and r.get("placement_row")]
-    errors = [e for e in errors if e is not None]
+def placement_error(rows: list[dict[str, Any]], key: str = "sim_error_plan_costs") -> float | None:
+    """How far off the simulator is on the *ratio* of two placements of the config's schedule (what the
+    planner compares): the largest ``|(1 + e_a) / (1 + e_b) - 1|`` over pairs of its rows at different
+    splits (``placement_row``), ``e`` each row's error ``key``. ``None`` with fewer than two splits."""
+    errors = [e for r in rows if r.get("placement_row") and (e := r.get(key)) is not None]
     if len(errors) < 2:
         return None
     return max(abs((1 + a) / (1 + b) - 1) for a in errors for b in errors)
@@ -493,9 +491,9 @@ def run_real_bubbles(schedules: list[str] | None = None, num_batches: int = 8, o
             if held_out:
                 calibration["held_out_error"] = max(abs(r["sim_error_held_out"]) for r in rows
                                                     if "sim_error_held_out" in r)
-            if actor is not None and (between := placement_error(rows, actor)) is not None:
+            if (between := placement_error(rows)) is not None:
                 calibration["placement_error"] = between
-                calibration["placement_error_held_out"] = placement_error(rows, actor, "sim_error_held_out")
+                calibration["placement_error_held_out"] = placement_error(rows, "sim_error_held_out")
             calibration["plan_costs_source"] = (
                 "token fit over every actor run of this bench (fine-token run included) + the median per-token "
                 "overhead + one trainer's median optimizer step + the median publication + a measured 2-process "
