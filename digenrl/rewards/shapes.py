@@ -16,8 +16,13 @@ small, deterministic image analysis, no learned model:
 
 Closeness is ``1 - min(||p - c|| / 1.0, 1)`` in RGB: 0 at the distance between two palette colours
 (>= 0.8; the ``color`` reward's ``/ sqrt(3)`` leaves a wrong colour 0.4-0.5), so a muddy or wrong colour
-scores low and the reward spans [0, 1] on these images. The score is the mean of the three parts. The same
-picture scores differently for different prompts, so the policy has to read the prompt.
+scores low and the reward spans [0, 1] on these images. The score is the *product* of the three parts: a
+picture is right when all three are (as GenEval counts an image right only when every asked attribute is),
+so a blob scores its form, a shape in the wrong colour or on the wrong background ~0. (The mean of the parts,
+the score before, gave a picture 0.33 for the background alone, which any model gets right, and the tiny
+model's muddy triangle blobs 0.70, so all a policy could gain lay in the last ~0.15; a learning run moves
+the parts alike under either: tiny4x, seed 0, 80 iterations, form 0.766 vs 0.766, shape colour 0.988 vs 0.988.)
+The same picture scores differently for different prompts, so the policy has to read the prompt.
 """
 
 from __future__ import annotations
@@ -92,12 +97,12 @@ def _closeness(pixels: torch.Tensor, color: torch.Tensor) -> torch.Tensor:
 
 
 class ShapesReward:
-    """Mean of the background-margin and the shape-colour closeness (module docstring)."""
+    """Background, shape colour and form, all at once (module docstring)."""
 
     name = "shapes"
 
     def score(self, images: torch.Tensor, prompts: Sequence[str]) -> torch.Tensor:
-        """Score a batch: the mean of :meth:`parts`.
+        """Score a batch: the product of :meth:`parts`.
 
         Raises:
             RewardError: malformed batch, an image under 10x10 pixels, or a prompt not of the shapes form.
@@ -106,8 +111,8 @@ class ShapesReward:
 
     @staticmethod
     def total(parts: dict[str, torch.Tensor]) -> torch.Tensor:
-        """The score of :meth:`parts`: their mean."""
-        return (parts["background"] + parts["shape_colour"] + parts["form"]) / 3
+        """The score of :meth:`parts`: their product (all three must hold)."""
+        return parts["background"] * parts["shape_colour"] * parts["form"]
 
     def parts(self, images: torch.Tensor, prompts: Sequence[str]) -> dict[str, torch.Tensor]:
         """The three scores per sample (``background``, ``shape_colour``, ``form``): where a sample loses reward.
