@@ -1,15 +1,16 @@
 """Learning benchmark: does the colocated Flow-GRPO loop raise the reward of the tiny Qwen-Image?
 
-    python bench/learning.py --iters 60 --json runs/learning.json
-    python bench/learning.py --iters 60 --control shuffled --json runs/learning-shuffled.json
-    python bench/learning.py --figures docs/          # the README's figures: 3 seeds x (Flow-GRPO + 2 controls)
+    python bench/learning.py --json runs/learning.json                  # 160 iterations, seed 0, ~4 minutes
+    python bench/learning.py --control shuffled --json runs/learning-shuffled.json
+    python bench/learning.py --figures docs/      # the README's figures: 3 seeds x (Flow-GRPO + 2 controls)
+    python bench/learning.py --schedules docs/    # the default run under async1 and colocated, same seed
 
-It runs ``configs/tiny-qwenimage.toml`` (or ``--config``: the tiny Qwen-Image pretrained on shapes,
+It runs ``configs/tiny-qwenimage.toml`` (or ``--config``: the tiny4x Qwen-Image pretrained on shapes,
 ``shapes`` reward) colocated on CPU for ``--iters`` iterations and records two curves:
 
 * ``eval``: every ``--eval-every`` iterations, the mean reward of ODE samples of *every* prompt of the set
-  from the *same* initial noise, a function of the weights alone; ``eval_gain`` = end - start. This is
-  the criterion.
+  from the *same* ``--eval-noises`` initial noises per prompt (4: 672 samples), a function of the weights
+  alone; ``eval_gain`` = end - start. This is the criterion.
 * ``curve``: the mean reward of each training batch, with ``gain`` = mean of the last 5 minus the first
   5 and ``gain_in_noise`` = gain / its standard error. It mixes in which prompts each batch drew (32 of
   168, the same draw in every run of a seed): a run with lr 1e-12 "gained" +0.011 (seed 0, 40 its).
@@ -18,46 +19,35 @@ The negative control ``--control shuffled`` permutes the advantages across sampl
 (same update statistics, no link to the reward), so it should stay flat; ``--control negated`` flips
 their sign, so it should fall.
 
-Why the shuffled control moved: it is a random walk of the LoRA weights (AdamW steps of ~lr per weight
-in directions with no reward information). Its effect is second order and sign-indefinite: on the old
-random-init model it happened to raise the colour reward (+0.015); on the pretrained model, which sits
-near an optimum of what it draws, it lowers the reward, and the more the longer and larger the steps
-(fixed evaluation, seed 0, no KL: -0.072 in 40 iterations at lr 1.5e-3; -0.53 on the training batches at
-lr 4e-3). Flow-GRPO's own update has the same noise but its signal corrects what the noise breaks. The
-KL to the pretrained model (``train.kl_beta``, at the trained step) holds the walk: beta 0.2 -> control
--0.005, Flow-GRPO +0.059 (60 iterations, lr 3e-3, seed 0); beta 1 -> -0.003 / +0.027.
+Measured with ``--figures`` (the shipped config: tiny4x, 3 steps, lr 1e-3, KL 0.1; 160 iterations; two
+runs at a time, one thread each, ~23 minutes on 2 cores), seeds 0/1/2, fixed evaluation from 0.664:
+Flow-GRPO +0.120, +0.120, +0.112; shuffled -0.018, -0.007, +0.002 (6.6x, 17x, 52x); negated -0.49, -0.50,
+-0.51. On the mean of the reward's three parts (its score before it became their product) the same runs
+gain +0.066, +0.066, +0.062 (0.861 -> 0.92-0.93). Where: the triangles' shape colour 0.64 -> 0.97-0.98
+(drawn in a muddy mix before), the form 0.71 -> 0.79 (circles and squares 0.81 -> 0.85, triangles 0.52 ->
+0.68); the background was right.
 
-Measured with ``--figures`` (the shipped config: 3 steps, lr 3e-3, KL 0.1; 60 iterations; 2-core CPU
-shared with other jobs, two runs at a time, one thread each, ~15 minutes), seeds 0/1/2, fixed evaluation
-from 0.852: Flow-GRPO +0.055, +0.052, +0.054; shuffled -0.006, -0.011, -0.018 (9.3x, 4.7x, 3.1x); negated
--0.36, -0.41, -0.41. Training batches (window gain): Flow-GRPO +0.059 (z 7.1), +0.057 (z 5.6), +0.066
-(z 10.0); shuffled +0.001, +0.001, -0.002. The shuffled control's loss is all in its first 10 iterations
-(-0.018..-0.024; likely Adam's first steps, its largest, before the KL builds up), flat after.
+Why the shuffled control moves: it is a random walk of the LoRA weights (AdamW steps of ~lr per weight in
+directions with no reward information). On the pretrained model, which sits near an optimum of what it
+draws, it costs reward, and its fixed evaluation swings between checkpoints (a swing of the weights, not
+evaluation noise: with four noises per prompt instead of one, seed 0's series moved by at most 0.007). The
+KL to the pretrained model (``train.kl_beta``, at the trained step) and a small rate bound the walk;
+Flow-GRPO's gain levels off by iteration ~60 whatever the rate. Seed 0, 120 iterations, fixed evaluation,
+Flow-GRPO / shuffled control at the end (the control's range over its checkpoints): lr 3e-3 +0.116 /
+-0.031 (-0.040..+0.008); lr 1.5e-3 +0.111 / -0.001 (-0.024..+0.010); lr 1e-3 +0.110 / +0.004
+(-0.014..+0.007). At lr 3e-3: KL 0.3 +0.079 / -0.017; KL 0.05 +0.122 / -0.045 (-0.107..+0.001); noise
+level 1.0 +0.117 / -0.046.
 
-Why not +0.10: every setting tried levels off at a fixed evaluation of 0.90-0.91 (seed 0, 40 iterations,
-6 steps, KL 0.05 unless said): no KL +0.070 (0.912, then down to 0.882 at 120 iterations); KL 0.05
-+0.065; 64 prompts per batch +0.070; noise level 0.3 / 0.5 / 1.0 +0.055 / +0.058 / +0.068; LoRA rank 2 /
-32 +0.041 / +0.039; group size 16 x 16 prompts +0.056; Adam beta1 0.97 +0.038 (lr 6e-3, KL 0.2) / +0.063
-(KL 0.1); KL 0.2: training steps 0-2 +0.044, all but the last +0.030, one step drawn from 0-3 +0.039.
-The dataset's own images score 0.99; the model's triangles are blobs (0.73 vs 0.90 for circles and
-squares; form 0.53), which a rank-8 LoRA on the first step's velocity does not turn into triangles in
-tens of iterations.
+Why these models: the old default, the tiny transformer over an 8x VAE (four image tokens at 32 px),
+gained +0.055 in 60 iterations on the mean of the parts, levelling off at 0.91 (every setting tried; the
+list is in the git history of this file) with its VAE's reconstructions at 0.926: its decoder blurred
+every form. The 4x VAE's reconstructions score 0.967 (0.902 on the product); its transformer still draws
+blobs (form 0.70 after 12000 flow-matching steps, 0.68 after 6000, one noise per prompt; 6, 12 or 24
+sampling steps score no better than 3), and Flow-GRPO moves colour within ~10 iterations and form slowly.
 
 Where the reward is lost: ``eval_parts`` holds the ``shapes`` reward's three parts at the first and last
 evaluation, over all prompts and per shape; ``--figures`` also writes ``ceiling`` to ``learning.json``:
-the dataset's images and the same images through the model's VAE. Seed 0 (background / shape colour /
-form): 0.971 / 0.891 / 0.695 at the start, 0.979 / 0.984 / 0.758 after 60 iterations; the VAE's
-reconstructions 0.986 / 0.974 / 0.818 (total 0.926): Flow-GRPO fixes the shape colour, and the form it
-barely moves is capped by the decoder, so from 0.852 +0.10 is out of reach of any policy over this VAE.
-Earlier starting points of the same recipe (750 / 1000 of its 3000 flow-matching steps: 0.788 / 0.801)
-gained +0.080 / +0.081, the 750-step model's shuffled control -0.020; a VAE trained 2000 steps
-(reconstructions 0.958) under 1000 / 1500 transformer steps: +0.084 / +0.075 (seed 0, 60 iterations); a VAE
-trained 3000 steps under 1000 (``pretrain_tiny.py --vae-steps 3000 --steps 1000``, start 0.783): +0.091 with
-its shuffled control -0.030; with ``rollout.window=2`` +0.082 / -0.012; ``train.kl_beta=0.2`` +0.079 / -0.019.
-Each levels off by iteration 30. The reason is the model, not the loop: at 32 px the transformer sees four
-image tokens (a 4x4 latent packed 2x2) in two layers, it draws blobs, and Flow-GRPO moves colour within ~20
-iterations but form barely; the gain is then the colour error the pretrained model leaves, small when it
-is good, and a weaker start loses more to the control's undirected steps.
+the dataset's images (0.981) and the same images through the model's VAE (0.902, form 0.912).
 """
 
 from __future__ import annotations
@@ -107,6 +97,19 @@ def _ode_samples(model: Any, prompts: list[str], seed: int, steps: int) -> Any:
         for i in range(steps):
             x = x + (sig[i + 1] - sig[i]) * model.velocity(x, sig[i].expand(len(prompts)), cond)
         return model.decode(x)
+
+
+def fixed_evaluation(model: Any, prompts: list[str], steps: int, noises: int) -> tuple[Any, list[str]]:
+    """ODE samples of every prompt from ``noises`` fixed initial noises each: ``(images, their prompts)``.
+
+    A function of the weights alone, so its change between two checkpoints is what the training did. More
+    than one noise per prompt averages out how a weight change happens to move each single picture (the
+    shuffled control's evaluation swung +-0.02 between checkpoints at one noise per prompt).
+    """
+    import torch
+
+    images = torch.cat([_ode_samples(model, prompts, 777 + k, steps) for k in range(noises)])
+    return images, prompts * noises
 
 
 def parts_by_shape(images: Any, prompts: list[str]) -> dict[str, dict[str, float]]:
@@ -172,11 +175,10 @@ def run(args: argparse.Namespace, control: str | None = None, seed: int | None =
     parts = {}  # the shapes reward's parts at the first and the last evaluation: where the reward is lost
 
     def evaluate(it: int) -> tuple[int, float]:
-        # every prompt of the set, the same initial noise each time: a function of the weights alone
-        images = _ode_samples(state.model, state.prompts, 777, cfg.rollout.num_steps)
+        images, prompts = fixed_evaluation(state.model, state.prompts, cfg.rollout.num_steps, args.eval_noises)
         if args.reward == "shapes" and it in (0, cfg.train.iterations):
-            parts[it] = parts_by_shape(images, state.prompts)
-        return it, float(state.reward.score(images, state.prompts).mean())
+            parts[it] = parts_by_shape(images, prompts)
+        return it, float(state.reward.score(images, prompts).mean())
 
     evals = [evaluate(0)]
     history = []
@@ -214,6 +216,42 @@ def _one(job: tuple[argparse.Namespace, str, int, bool]) -> dict[str, Any]:
     return run(args, control=control, seed=seed, grids=grids)
 
 
+def _tile(images: Any, scale: int = 3) -> Any:
+    """``images [N, 3, h, w]`` in [0, 1] as one PIL image, 8 per row, 1 px apart, enlarged ``scale`` times."""
+    import torch
+    from PIL import Image
+
+    n, _, h, w = images.shape
+    cols = 8
+    rows = (n + cols - 1) // cols
+    grid = torch.ones(3, rows * (h + 1), cols * (w + 1))
+    for k in range(n):
+        r, c = divmod(k, cols)
+        grid[:, r * (h + 1):r * (h + 1) + h, c * (w + 1):c * (w + 1) + w] = images[k]
+    arr = (grid.clamp(0, 1) * 255).round().to(torch.uint8).permute(1, 2, 0).numpy()
+    im = Image.fromarray(arr)
+    return im.resize((im.width * scale, im.height * scale), Image.NEAREST)
+
+
+def _side_by_side(grids: list[Any], titles: list[str], path: Path) -> None:
+    """Sample grids next to each other, one title each, as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    tiles = [_tile(g) for g in grids]
+    w, h = tiles[0].width, tiles[0].height
+    fig, axes = plt.subplots(1, len(tiles), figsize=(len(tiles) * w / 100 + 0.4, h / 100 + 0.5), dpi=100)
+    for ax, im, title in zip(axes, tiles, titles, strict=True):
+        ax.imshow(im)
+        ax.set_title(title, fontsize=9)
+        ax.axis("off")
+    fig.tight_layout(pad=0.3)
+    fig.savefig(path)
+    plt.close(fig)
+
+
 def figures(args: argparse.Namespace) -> dict[str, Any]:
     """The README's pictures: the reward curves of Flow-GRPO and its two controls for ``args.seeds``, and the
     samples before/after (the first seed's Flow-GRPO run).
@@ -228,8 +266,6 @@ def figures(args: argparse.Namespace) -> dict[str, Any]:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    import torch
-    from PIL import Image
 
     out_dir: Path = args.figures
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -260,27 +296,8 @@ def figures(args: argparse.Namespace) -> dict[str, Any]:
     fig.savefig(out_dir / "learning-curve.png")
     plt.close(fig)
 
-    def tile(images: torch.Tensor, scale: int = 3) -> Image.Image:
-        n, _, h, w = images.shape
-        cols = 8
-        rows = (n + cols - 1) // cols
-        grid = torch.ones(3, rows * (h + 1), cols * (w + 1))
-        for k in range(n):
-            r, c = divmod(k, cols)
-            grid[:, r * (h + 1):r * (h + 1) + h, c * (w + 1):c * (w + 1) + w] = images[k]
-        arr = (grid.clamp(0, 1) * 255).round().to(torch.uint8).permute(1, 2, 0).numpy()
-        im = Image.fromarray(arr)
-        return im.resize((im.width * scale, im.height * scale), Image.NEAREST)
-
-    a, b = tile(grids["before"]), tile(grids["after"])
-    fig, axes = plt.subplots(1, 2, figsize=(2 * a.width / 100 + 0.4, a.height / 100 + 0.5), dpi=100)
-    for ax, im, title in ((axes[0], a, "iteration 0"), (axes[1], b, f"after {args.iters} iterations")):
-        ax.imshow(im)
-        ax.set_title(title, fontsize=9)
-        ax.axis("off")
-    fig.tight_layout(pad=0.3)
-    fig.savefig(out_dir / "learning-samples.png")
-    plt.close(fig)
+    _side_by_side([grids["before"], grids["after"]], ["iteration 0", f"after {args.iters} iterations"],
+                  out_dir / "learning-samples.png")
     summary = {"prompts_shown": grids["prompts"], "runs": [
         {k: r[k] for k in ("control", "seed", "summary", "eval", "eval_gain", "eval_parts", "curve", "overrides",
                            "seconds_total")}
@@ -294,10 +311,89 @@ def figures(args: argparse.Namespace) -> dict[str, Any]:
     return summary
 
 
+def schedules(args: argparse.Namespace) -> dict[str, Any]:
+    """The default run, ``digenrl run CONFIG``, under ``async1`` (its actor processes) and ``colocated`` (one
+    process), same seed: their training-batch curves, and the fixed evaluation and samples of each run's final
+    weights beside the starting point's.
+
+    Writes ``schedules-curve.png``, ``schedules-samples.png`` and ``schedules.json`` to ``args.schedules``;
+    the runs' own outputs (metrics, traces, grids, checkpoints) go to ``runs/schedules/<schedule>``, replacing
+    the last ones there.
+    """
+    import shutil
+    import subprocess
+    import sys
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import torch
+
+    from digenrl.config import load_config
+    from digenrl.data.prompts import load_prompts
+    from digenrl.models.lora import load_trainable
+    from digenrl.policy import build_model
+    from digenrl.recipes.checkpoint import find_checkpoint
+    from digenrl.rewards import make_reward
+
+    out_dir: Path = args.schedules
+    names = ("colocated", "async1")
+    curves, weights = {}, {}
+    for name in names:
+        run_dir = ROOT / "runs" / "schedules" / name
+        shutil.rmtree(run_dir, ignore_errors=True)  # a fresh run each time, not a resume of the last one
+        cmd = [sys.executable, "-m", "digenrl_cli.main", "run", args.config, "--out", str(run_dir),
+               "--set", f"schedule.name={name}", "--set", f"log.seed={args.seed}", *(x for o in args.set for x in ("--set", o))]
+        print("$", " ".join(cmd[2:]), flush=True)
+        subprocess.run(cmd, check=True)
+        curves[name] = [json.loads(ln)["reward_mean"] for ln in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        # colocated writes its final weights beside the metrics; the actor run's are its last checkpoint
+        weights[name] = (run_dir / "trainable.safetensors" if name == "colocated"
+                         else find_checkpoint(run_dir) / "trainable.safetensors")
+
+    torch.set_num_threads(1)
+    cfg = load_config(args.config, [*args.set, "placement.threads=1"])
+    model = build_model(cfg)[0]
+    prompts = load_prompts(cfg.data.prompt_set)
+    shown = prompts[:: max(1, len(prompts) // 16)][:16]
+    reward = make_reward(args.reward)
+
+    def evaluate() -> tuple[float, Any]:
+        images, asked = fixed_evaluation(model, prompts, cfg.rollout.num_steps, args.eval_noises)
+        return float(reward.score(images, asked).mean()), _ode_samples(model, shown, 12345, cfg.rollout.num_steps)
+
+    fixed, grids = {}, {}
+    fixed["start"], grids["start"] = evaluate()
+    for name in names:
+        load_trainable(model, weights[name])
+        fixed[name], grids[name] = evaluate()
+
+    iters = len(curves["async1"])
+    fig, ax = plt.subplots(figsize=(6, 3.4), dpi=100)
+    for name, color in zip(names, ("tab:gray", "tab:blue"), strict=True):
+        ax.plot(curves[name], color=color, lw=1.2, label=f"{name}: fixed evaluation {fixed['start']:.3f} -> {fixed[name]:.3f}")
+    ax.set_xlabel("iteration")
+    ax.set_ylabel(f"mean {args.reward} reward, training batch")
+    ax.set_title(f"digenrl run {Path(args.config).name}: async1 (actor processes) vs colocated, seed {args.seed}", fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(out_dir / "schedules-curve.png")
+    plt.close(fig)
+    _side_by_side([grids["start"], grids["colocated"], grids["async1"]],
+                  ["iteration 0", f"colocated, after {iters} iterations", f"async1, after {iters} iterations"],
+                  out_dir / "schedules-samples.png")
+    summary = {"seed": args.seed, "curves": curves, "fixed_evaluation": fixed, "prompts_shown": shown,
+               "window": {name: window_stats(c) for name, c in curves.items()}}
+    (out_dir / "schedules.json").write_text(json.dumps(summary, indent=1) + "\n")
+    return summary
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default=str(ROOT / "configs" / "tiny-qwenimage.toml"))
-    ap.add_argument("--iters", type=int, default=60)
+    ap.add_argument("--iters", type=int, default=160)
     ap.add_argument("--reward", default="shapes", choices=["color", "shapes", "jpeg_compressibility", "jpeg_incompressibility", "ocr"])
     ap.add_argument("--control", default="none", choices=["none", "shuffled", "negated"])
     ap.add_argument("--seed", type=int, default=0)
@@ -305,13 +401,23 @@ def main() -> None:
     ap.add_argument("--set", action="append", default=[], help="extra config override, e.g. train.lr=3e-2")
     ap.add_argument("--json", type=Path, default=None, help="write the result here")
     ap.add_argument("--eval-every", type=int, default=10, help="evaluate on the fixed set every this many iterations")
+    ap.add_argument("--eval-noises", type=int, default=4, help="fixed initial noises per prompt in the evaluation")
     ap.add_argument("--figures", type=Path, default=None,
                     help="run Flow-GRPO and both controls for --seeds and write the README's figures to this folder")
+    ap.add_argument("--schedules", type=Path, default=None,
+                    help="run the config as `digenrl run` under async1 and colocated (--seed) and write their comparison here")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="with --figures")
     ap.add_argument("--jobs", type=int, default=2, help="with --figures: runs at a time (one thread each)")
     args = ap.parse_args()
     if args.threads is None:
         args.threads = 1 if args.figures is not None else 2
+    if args.schedules is not None:
+        args.schedules.mkdir(parents=True, exist_ok=True)
+        summary = schedules(args)
+        for name, w in summary["window"].items():
+            print(f"{name:9s} training batches {w['first']:.4f} -> {w['last']:.4f} ({w['gain']:+.4f}, z {w['gain_in_noise']:+.1f})"
+                  f"   fixed evaluation {summary['fixed_evaluation']['start']:.4f} -> {summary['fixed_evaluation'][name]:.4f}")
+        return
     if args.figures is not None:
         summary = figures(args)
         if "ceiling" in summary:

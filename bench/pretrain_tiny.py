@@ -1,8 +1,8 @@
 """Pretrain the tiny Qwen-Image preset on the shapes dataset, so the default RL run starts from a model that draws.
 
-    nice -n 10 python bench/pretrain_tiny.py --out checkpoints/tiny-shapes      # a few CPU minutes, one thread
+    nice -n 10 python bench/pretrain_tiny.py      # checkpoints/tiny4x-shapes: ~21 CPU minutes, one thread
 
-The model is the one ``configs/tiny-qwenimage.toml`` builds (``model.init`` cleared): the tiny preset
+The model is the one ``configs/tiny-qwenimage.toml`` builds (``model.init`` cleared): the tiny4x preset
 at 32 px, its random byte-level Qwen2.5-VL text encoder kept frozen (it is saved too, so the checkpoint
 does not depend on ``model.seed``). Two stages, both deterministic in ``--seed`` (same torch, same
 thread count):
@@ -14,7 +14,9 @@ thread count):
    into ``quant_conv`` / ``post_quant_conv``, so the latent the sampler starts from (N(0, I)) has the
    scale of the data and the architecture stays exactly the preset's;
 2. the transformer with plain rectified flow matching on those latents: ``x_s = (1 - s) x0 + s e``,
-   target ``e - x0``, ``s`` uniform, conditional on the prompt's embeddings (guidance 1, as the run).
+   target ``e - x0``, ``s`` uniform, conditional on the prompt's embeddings (guidance 1, as the run); the
+   rate warms up over 100 steps, then decays to 0 on a cosine (``--lr-decay``). The shipped tiny4x
+   checkpoint took 12000 steps (its ODE samples score 0.632 on the ``shapes`` reward, recipe.json).
 
 It writes ``model.safetensors`` (every weight of the three components, fp32, ~2 MB), ``recipe.json``
 (arguments, versions, the checkpoint's sha256, the sampled reward) and ``samples.png`` (ODE samples of
@@ -122,6 +124,8 @@ def normalise_latent(vae, args) -> dict[str, list[float]]:  # noqa: ANN001
 
 
 def train_transformer(model, args, log) -> None:  # noqa: ANN001
+    import math
+
     import torch
 
     from digenrl.data.shapes import SHAPE_PROMPTS, shapes_batch
@@ -131,7 +135,10 @@ def train_transformer(model, args, log) -> None:  # noqa: ANN001
     cond = model.encode_prompts(list(SHAPE_PROMPTS))
     index = {p: k for k, p in enumerate(SHAPE_PROMPTS)}
     opt = torch.optim.AdamW(tr.parameters(), lr=args.lr, weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 100))
+    warm = lambda s: min(1.0, (s + 1) / 100)  # noqa: E731
+    # cosine: decays to 0 over the run, so the last steps average out the minibatch noise (samples draw sharper forms)
+    shape = (lambda s: warm(s) * 0.5 * (1 + math.cos(math.pi * s / args.steps))) if args.lr_decay == "cosine" else warm
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, shape)
     gen = torch.Generator().manual_seed(args.seed + 2)
     tr.train()
     for step in range(args.steps):
@@ -174,7 +181,7 @@ def sample_and_score(model, args, out: Path) -> float:  # noqa: ANN001
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", type=Path, default=ROOT / "configs" / "tiny-qwenimage.toml")
-    ap.add_argument("--out", type=Path, default=ROOT / "checkpoints" / "tiny-shapes")
+    ap.add_argument("--out", type=Path, default=ROOT / "checkpoints" / "tiny4x-shapes")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--preset", default="", help="model.preset instead of the config's (tiny4x: 4x-downsampling VAE)")
     ap.add_argument("--threads", type=int, default=1)  # 2 threads on a shared 2-core machine: 5x slower
@@ -183,8 +190,9 @@ def main() -> None:
     ap.add_argument("--vae-steps", type=int, default=800)
     ap.add_argument("--vae-lr", type=float, default=3e-3)
     ap.add_argument("--latent-l2", type=float, default=1e-4)
-    ap.add_argument("--steps", type=int, default=3000, help="flow-matching steps of the transformer")
+    ap.add_argument("--steps", type=int, default=12000, help="flow-matching steps of the transformer")
     ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--lr-decay", choices=("constant", "cosine"), default="cosine", help="the transformer's lr after warm-up")
     ap.add_argument("--sample-steps", type=int, default=6)
     args = ap.parse_args()
 

@@ -1,4 +1,4 @@
-"""``model.init``: the shipped tiny-shapes checkpoint loads, is checked, draws its prompts; the pretrain is reproducible."""
+"""``model.init``: the shipped tiny4x-shapes checkpoint loads, is checked, draws its prompts; the pretrain is reproducible."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from digenrl.rewards import make_reward
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "configs" / "tiny-qwenimage.toml"
-CKPT = ROOT / "checkpoints" / "tiny-shapes"
+CKPT = ROOT / "checkpoints" / "tiny4x-shapes"
 
 
 def _ode_reward(overrides: list[str]) -> float:
