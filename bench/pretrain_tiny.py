@@ -135,10 +135,13 @@ def train_transformer(model, args, log) -> None:  # noqa: ANN001
     cond = model.encode_prompts(list(SHAPE_PROMPTS))
     index = {p: k for k, p in enumerate(SHAPE_PROMPTS)}
     opt = torch.optim.AdamW(tr.parameters(), lr=args.lr, weight_decay=0.0)
-    warm = lambda s: min(1.0, (s + 1) / 100)  # noqa: E731
-    # cosine: decays to 0 over the run, so the last steps average out the minibatch noise (samples draw sharper forms)
-    shape = (lambda s: warm(s) * 0.5 * (1 + math.cos(math.pi * s / args.steps))) if args.lr_decay == "cosine" else warm
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, shape)
+
+    def rate(step: int) -> float:
+        """Warm-up over 100 steps; with ``cosine`` then down to 0 by the last step (a fixed budget's usual schedule)."""
+        warm = min(1.0, (step + 1) / 100)
+        return warm * 0.5 * (1 + math.cos(math.pi * step / args.steps)) if args.lr_decay == "cosine" else warm
+
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, rate)
     gen = torch.Generator().manual_seed(args.seed + 2)
     tr.train()
     for step in range(args.steps):
