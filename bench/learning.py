@@ -86,6 +86,14 @@ def _overrides(args: argparse.Namespace, control: str, seed: int) -> list[str]:
     ]
 
 
+_GRID_NOISE = 12345  # the initial noise of the before/after sample grids
+
+
+def _shown(prompts: list[str]) -> list[str]:
+    """The 16 prompts of the sample grids, spread over the set."""
+    return prompts[:: max(1, len(prompts) // 16)][:16]
+
+
 def _ode_samples(model: Any, prompts: list[str], seed: int, steps: int) -> Any:
     """ODE samples (noise 0) of ``prompts`` from fixed initial noise: the same picture before and after."""
     import torch
@@ -169,8 +177,8 @@ def run(args: argparse.Namespace, control: str | None = None, seed: int | None =
     torch.manual_seed(cfg.log.seed)  # as recipes.colocated.train
     t0 = time.perf_counter()
     state = setup(cfg)
-    shown = state.prompts[:: max(1, len(state.prompts) // 16)][:16]
-    before = _ode_samples(state.model, shown, 12345, cfg.rollout.num_steps) if grids else None
+    shown = _shown(state.prompts)
+    before = _ode_samples(state.model, shown, _GRID_NOISE, cfg.rollout.num_steps) if grids else None
 
     parts = {}  # the shapes reward's parts at the first and the last evaluation: where the reward is lost
 
@@ -186,7 +194,7 @@ def run(args: argparse.Namespace, control: str | None = None, seed: int | None =
         history.append(iteration(state, it)[0])
         if (it + 1) % args.eval_every == 0 or it == cfg.train.iterations - 1:
             evals.append(evaluate(it + 1))
-    after = _ode_samples(state.model, shown, 12345, cfg.rollout.num_steps) if grids else None
+    after = _ode_samples(state.model, shown, _GRID_NOISE, cfg.rollout.num_steps) if grids else None
     wall = time.perf_counter() - t0
     curve = [h["reward_mean"] for h in history]
     out = {
@@ -331,11 +339,9 @@ def schedules(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
     from digenrl.config import load_config
-    from digenrl.data.prompts import load_prompts
     from digenrl.models.lora import load_trainable
-    from digenrl.policy import build_model
     from digenrl.recipes.checkpoint import find_checkpoint
-    from digenrl.rewards import make_reward
+    from digenrl.recipes.colocated import setup
 
     out_dir: Path = args.schedules
     names = ("colocated", "async1")
@@ -353,20 +359,18 @@ def schedules(args: argparse.Namespace) -> dict[str, Any]:
                          else find_checkpoint(run_dir) / "trainable.safetensors")
 
     torch.set_num_threads(1)
-    cfg = load_config(args.config, [*args.set, "placement.threads=1"])
-    model = build_model(cfg)[0]
-    prompts = load_prompts(cfg.data.prompt_set)
-    shown = prompts[:: max(1, len(prompts) // 16)][:16]
-    reward = make_reward(args.reward)
+    state = setup(load_config(args.config, [*args.set, "placement.threads=1"]))  # the runs' model, reward, prompts
+    steps = state.cfg.rollout.num_steps
 
     def evaluate() -> tuple[float, Any]:
-        images, asked = fixed_evaluation(model, prompts, cfg.rollout.num_steps, args.eval_noises)
-        return float(reward.score(images, asked).mean()), _ode_samples(model, shown, 12345, cfg.rollout.num_steps)
+        images, asked = fixed_evaluation(state.model, state.prompts, steps, args.eval_noises)
+        return (float(state.reward.score(images, asked).mean()),
+                _ode_samples(state.model, _shown(state.prompts), _GRID_NOISE, steps))
 
     fixed, grids = {}, {}
     fixed["start"], grids["start"] = evaluate()
     for name in names:
-        load_trainable(model, weights[name])
+        load_trainable(state.model, weights[name])
         fixed[name], grids[name] = evaluate()
 
     iters = len(curves["async1"])
@@ -384,7 +388,7 @@ def schedules(args: argparse.Namespace) -> dict[str, Any]:
     _side_by_side([grids["start"], grids["colocated"], grids["async1"]],
                   ["iteration 0", f"colocated, after {iters} iterations", f"async1, after {iters} iterations"],
                   out_dir / "schedules-samples.png")
-    summary = {"seed": args.seed, "curves": curves, "fixed_evaluation": fixed, "prompts_shown": shown,
+    summary = {"seed": args.seed, "curves": curves, "fixed_evaluation": fixed, "prompts_shown": _shown(state.prompts),
                "window": {name: window_stats(c) for name, c in curves.items()}}
     (out_dir / "schedules.json").write_text(json.dumps(summary, indent=1) + "\n")
     return summary
