@@ -6,7 +6,7 @@ is trained (LoRA or full) and provides the reference forward and the weight-sync
 
 from __future__ import annotations
 
-from digenrl.models.base import Cond, GeneratorModel, cat_cond, decode_in_chunks, index_cond, repeat_cond
+from digenrl.models.base import Cond, GeneratorModel, cat_cond, cond_to, decode_in_chunks, index_cond, repeat_cond
 from digenrl.models.lora import (
     DEFAULT_LORA_TARGETS,
     apply_lora,
@@ -30,6 +30,7 @@ __all__ = [
     "PRESETS",
     "apply_lora",
     "cat_cond",
+    "cond_to",
     "decode_in_chunks",
     "enable_full_finetune",
     "index_cond",

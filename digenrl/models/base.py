@@ -18,7 +18,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-__all__ = ["Cond", "GeneratorModel", "index_cond", "cat_cond", "repeat_cond", "decode_in_chunks"]
+__all__ = ["Cond", "GeneratorModel", "index_cond", "cat_cond", "cond_to", "repeat_cond", "decode_in_chunks"]
 
 Cond = dict[str, torch.Tensor]
 
@@ -31,6 +31,11 @@ def index_cond(cond: Cond, index: torch.Tensor | slice | list[int]) -> Cond:
 def cat_cond(conds: list[Cond]) -> Cond:
     """Concatenate conditionings row-wise; all must have the same keys."""
     return {k: torch.cat([c[k] for c in conds]) for k in conds[0]}
+
+
+def cond_to(cond: Cond, device: torch.device | str) -> Cond:
+    """Every tensor of ``cond`` on ``device``."""
+    return {k: v.to(device) for k, v in cond.items()}
 
 
 def repeat_cond(cond: Cond, repeats: int) -> Cond:

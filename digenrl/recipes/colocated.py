@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -35,7 +36,7 @@ from digenrl.rewards import build_reward
 from digenrl.rewards.base import GuardedReward
 from digenrl.rewards.failures import FailureBudget
 from digenrl.rl.advantages import group_advantages
-from digenrl.rl.loss import LossConfig, reduce_stats
+from digenrl.rl.loss import LossConfig, Sums, reduce_stats
 from digenrl.rl.lr import set_lr
 from digenrl.rl.noise import initial_keys, initial_latents, transition_noise
 from digenrl.rl.rollout import TransitionBatch, rollout_steps
@@ -147,9 +148,11 @@ def iteration(run: ColocatedRun, it: int) -> tuple[dict[str, Any], torch.Tensor,
         a = -a
     keep = (~adv.zero_std[res.transitions.sample]).nonzero().flatten()
     batch: TransitionBatch = res.transitions.rows(keep)
-    stats = _train_step(run, batch, cond, a, it)
+    sums = _backward(run, batch, cond, a)
     if not len(batch) and tr.check_parity:  # nothing trained: measure parity on a sample of the dropped rows
-        stats.update(reduce_stats([parity_recompute(model.velocity, res.transitions, cond, PARITY_SAMPLE_ROWS)]))
+        sums.append(parity_recompute(model.velocity, res.transitions, cond, PARITY_SAMPLE_ROWS))
+    stats = reduce_stats(sums)
+    stats["grad_norm"] = _optimizer_step(run, it) if len(batch) else 0.0
     t4 = time.perf_counter()
     seconds, run.last_end = t4 - run.last_end, t4
     comps = {} if failed else getattr(run.reward.inner, "last_components", {})
@@ -171,23 +174,34 @@ def iteration(run: ColocatedRun, it: int) -> tuple[dict[str, Any], torch.Tensor,
     return line, images, prompts
 
 
-def _train_step(run: ColocatedRun, batch: TransitionBatch, cond: dict[str, torch.Tensor], adv: torch.Tensor,
-                step: int) -> dict[str, float]:
-    tr = run.cfg.train
+def _backward(run: ColocatedRun, batch: TransitionBatch, cond: dict[str, torch.Tensor],
+              adv: torch.Tensor) -> list[Sums]:
+    """The iteration's forward/backward over its trained rows, on the model's device.
+
+    The rows and the conditioning were made there by the rollout; the advantages come from the reward,
+    on the host, and are placed with them here.
+    """
     run.optimizer.zero_grad(set_to_none=True)
     if len(batch) == 0:  # every group had identical rewards: nothing to learn from
-        return {"rows": 0.0, "grad_norm": 0.0, "clipfrac": 0.0, "approx_kl": 0.0, "kl": 0.0, "policy_loss": 0.0}
+        return []
     ref = _ref_velocity(run.model) if run.loss_cfg.kl_beta > 0 else None
-    sums = packed_backward(run.model.velocity, batch, cond, adv, run.loss_cfg,
-                           rows_per_pass=tr.rows_per_pass or None, ref_velocity=ref)
-    grad_norm = torch.nn.utils.clip_grad_norm_(run.params, tr.max_grad_norm)
-    if not torch.isfinite(grad_norm):
-        raise FloatingPointError(f"gradient norm is {float(grad_norm)}; refusing the optimizer step")
+    return packed_backward(run.model.velocity, batch, cond, adv.to(batch.x.device), run.loss_cfg,
+                           rows_per_pass=run.cfg.train.rows_per_pass or None, ref_velocity=ref)
+
+
+def _optimizer_step(run: ColocatedRun, step: int) -> float:
+    """Clip the accumulated gradients and step; returns the gradient norm (read once: it decides the step).
+
+    Raises:
+        FloatingPointError: a non-finite gradient norm (the step is refused).
+    """
+    tr = run.cfg.train
+    grad_norm = float(torch.nn.utils.clip_grad_norm_(run.params, tr.max_grad_norm))
+    if not math.isfinite(grad_norm):
+        raise FloatingPointError(f"gradient norm is {grad_norm}; refusing the optimizer step")
     set_lr(run.optimizer, tr.lr, tr.lr_warmup, step)
     run.optimizer.step()
-    out = reduce_stats(sums)
-    out["grad_norm"] = float(grad_norm)
-    return out
+    return grad_norm
 
 
 def save_grid(images: torch.Tensor, path: Path, columns: int = 8) -> None:

@@ -14,15 +14,18 @@ the same guidance. This module only does the arithmetic; :mod:`digenrl.rl.tsp` r
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
 
-__all__ = ["KlKind", "KL_KINDS", "LossConfig", "LossTerms", "grpo_loss", "parity_sums", "reduce_stats"]
+__all__ = ["KlKind", "KL_KINDS", "LossConfig", "LossTerms", "Sums", "grpo_loss", "host_sums", "parity_sums", "reduce_stats"]
 
 KlKind = Literal["exact", "g2"]
 KL_KINDS: tuple[str, ...] = ("exact", "g2")
+#: Diagnostic sums of some rows: 0-dim tensors on the rows' device, or floats (counts); :func:`host_sums` reads them.
+Sums = dict[str, "torch.Tensor | float"]
 
 
 @dataclass(frozen=True)
@@ -56,11 +59,12 @@ class LossTerms:
         loss: ``[R]`` the per-row loss ``L_clip + beta * KL``.
         sums: detached sums over the rows of ``policy_loss``, ``kl``, ``approx_kl`` (``1/2 dl^2``),
             ``clipfrac``, ``clipfrac_gt_one``, ``clipfrac_lt_one``, ``ratio``, ``ratio_dev``
-            (``|r - 1|``), and ``rows``.
+            (``|r - 1|``): 0-dim tensors on the rows' device (:func:`host_sums` reads them); ``rows``
+            (a float: it is a shape).
     """
 
     loss: torch.Tensor
-    sums: dict[str, float]
+    sums: Sums
 
 
 def grpo_loss(
@@ -114,30 +118,31 @@ def grpo_loss(
         sq = ((mean - mean_ref.detach()) ** 2).flatten(1).mean(dim=1)
         kl = sq / (2 * denom.float() ** 2)
     loss = policy + cfg.kl_beta * kl
-    with torch.no_grad():
+    with torch.no_grad():  # tensors on the rows' device: read on the host once per token (host_sums)
         d = delta.detach()
         r = ratio.detach()
         sums = {
-            "policy_loss": float(policy.detach().sum()),
-            "kl": float(kl.detach().sum()),
-            "approx_kl": float((0.5 * d**2).sum()),
-            "clipfrac": float(((r - 1.0).abs() > eps).float().sum()),
-            "clipfrac_gt_one": float((r > 1.0 + eps).float().sum()),
-            "clipfrac_lt_one": float((r < 1.0 - eps).float().sum()),
-            "ratio": float(r.sum()),
-            "ratio_dev": float((r - 1.0).abs().sum()),
+            "policy_loss": policy.detach().sum(),
+            "kl": kl.detach().sum(),
+            "approx_kl": (0.5 * d**2).sum(),
+            "clipfrac": ((r - 1.0).abs() > eps).float().sum(),
+            "clipfrac_gt_one": (r > 1.0 + eps).float().sum(),
+            "clipfrac_lt_one": (r < 1.0 - eps).float().sum(),
+            "ratio": r.sum(),
+            "ratio_dev": (r - 1.0).abs().sum(),
             "rows": float(r.numel()),
         }
     return LossTerms(loss=loss, sums=sums)
 
 
-def parity_sums(log_prob: torch.Tensor, log_prob_old: torch.Tensor) -> dict[str, float]:
+def parity_sums(log_prob: torch.Tensor, log_prob_old: torch.Tensor) -> Sums:
     """Rollout/trainer numerics parity of rows whose trainer weights are the ones that sampled them.
 
     ``log_prob`` is the trainer's recompute under the behaviour weights, ``log_prob_old`` what the
     rollout stored: with equal weights and equal numerics the ratio is exactly 1. Returns detached sums
     (``parity_rows``, ``parity_ratio``) and maxima (``parity_ratio_dev_max`` = max |r - 1|,
-    ``parity_logp_diff_max`` = max |l - l_old|), reduced by :func:`reduce_stats`.
+    ``parity_logp_diff_max`` = max |l - l_old|) as tensors on the rows' device, reduced by
+    :func:`reduce_stats`.
     """
     with torch.no_grad():
         d = (log_prob.detach().float() - log_prob_old.float())
@@ -145,20 +150,42 @@ def parity_sums(log_prob: torch.Tensor, log_prob_old: torch.Tensor) -> dict[str,
         n = d.numel()
         return {
             "parity_rows": float(n),
-            "parity_ratio": float(r.sum()),
-            "parity_ratio_dev_max": float((r - 1.0).abs().max()) if n else 0.0,
-            "parity_logp_diff_max": float(d.abs().max()) if n else 0.0,
+            "parity_ratio": r.sum(),
+            "parity_ratio_dev_max": (r - 1.0).abs().max() if n else 0.0,
+            "parity_logp_diff_max": d.abs().max() if n else 0.0,
         }
 
 
-def reduce_stats(sums: list[dict[str, float]]) -> dict[str, float]:
+def host_sums(sums: list[Sums]) -> list[dict[str, float]]:
+    """The diagnostics of :func:`grpo_loss` / :func:`parity_sums` as floats, read in one copy per device.
+
+    A GPU then waits for its queued passes once per TRAIN token instead of once per value (a dozen
+    times a pass). A ``meta`` tensor (a shape-only run: the CPU suite's device tests put the model
+    there) has no value to read: it reads as NaN.
+    """
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for s in sums:
+        for v in s.values():
+            if isinstance(v, torch.Tensor):
+                by_device.setdefault(v.device, []).append(v)
+    read: dict[int, float] = {}
+    for device, tensors in by_device.items():
+        if device.type == "meta":
+            values = [math.nan] * len(tensors)
+        else:
+            values = torch.stack([t.detach().float().reshape(()) for t in tensors]).tolist()
+        read.update((id(t), v) for t, v in zip(tensors, values, strict=True))
+    return [{k: read[id(v)] if isinstance(v, torch.Tensor) else float(v) for k, v in s.items()} for s in sums]
+
+
+def reduce_stats(sums: list[Sums]) -> dict[str, float]:
     """Turn accumulated per-row sums into means over all rows (``rows`` stays a count).
 
     ``*_max`` keys reduce by maximum; ``parity_*`` sums are means over ``parity_rows`` (see
-    :func:`parity_sums`), which stays a count.
+    :func:`parity_sums`), which stays a count. Tensor values are read first (:func:`host_sums`).
     """
     total: dict[str, float] = {}
-    for s in sums:
+    for s in host_sums(sums):
         for k, v in s.items():
             total[k] = max(total.get(k, v), v) if k.endswith("_max") else total.get(k, 0.0) + v
     n = max(total.get("rows", 0.0), 1.0)

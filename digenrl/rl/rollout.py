@@ -31,6 +31,10 @@ class VelocityFn(Protocol):
 class TransitionBatch:
     """Stored transitions, one row per trained (sample, step).
 
+    ``sample`` and ``step`` are indices and stay on the host (they pick rows, conditionings and
+    advantages, which torch allows on any device); the other tensors live where the model computes
+    (:meth:`to` places them, once, where a role receives them).
+
     Attributes:
         sample: ``[R]`` long, the sample's row in its batch (indexes the conditioning and advantages).
         step: ``[R]`` long, the step index ``i``.
@@ -57,6 +61,10 @@ class TransitionBatch:
 
     def __len__(self) -> int:
         return int(self.sample.shape[0])
+
+    def to(self, device: torch.device | str) -> TransitionBatch:
+        """The rows with their values (not their host indices) on ``device``."""
+        return replace(self, **{k: getattr(self, k).to(device) for k in _VALUES})
 
     def rows(self, index: torch.Tensor | slice | list[int]) -> TransitionBatch:
         """A subset of rows."""
@@ -101,6 +109,9 @@ class TransitionBatch:
             log_prob=cat("log_prob"),
             noise_level=cat("noise_level"),
         )
+
+
+_VALUES = ("x", "x_next", "sigma", "sigma_next", "log_prob", "noise_level")
 
 
 @dataclass(frozen=True)
@@ -159,16 +170,21 @@ def rollout_steps(
         raise ValueError(f"plan is for {tuple(plan.stochastic.shape)}, batch is {x.shape[0]} x {n} steps")
     x = x.float()
     b = x.shape[0]
+    # The step plan is host data (it decides, never computes): its noise levels and the sigmas are
+    # placed with the latents once; the checks read the host copy, so the device is never waited on.
+    levels = plan.stochastic.float() * noise_level
+    sigmas, levels_here = sigmas.float().to(x.device), levels.to(x.device)
     rows: list[TransitionBatch] = []
     for i in range(start, stop):
-        sig = sigmas[i].float().expand(b)
-        sig_next = sigmas[i + 1].float().expand(b)
-        a_row = plan.stochastic[:, i].float() * noise_level
+        sig = sigmas[i].expand(b)
+        sig_next = sigmas[i + 1].expand(b)
+        a_row = levels_here[:, i]
         v = velocity(x, sig, cond)
-        out = sde_step(x, v, sig, sig_next, a_row, None if noise is None else noise(i), kind=kind, generator=generator)
+        out = sde_step(x, v, sig, sig_next, levels[:, i], None if noise is None else noise(i), kind=kind,
+                       generator=generator)
         idx = plan.trained[:, i].nonzero().flatten()
         if idx.numel():
-            if out.log_prob is None or bool(out.log_prob[idx].isnan().any()):
+            if out.log_prob is None or not bool((levels[idx, i] > 0).all()):
                 raise ValueError(f"step {i} is trained but deterministic (noise_level must be > 0)")
             rows.append(
                 TransitionBatch(
@@ -194,4 +210,4 @@ def _empty(x: torch.Tensor, kind: SdeKind, version: int) -> TransitionBatch:
     z = torch.zeros(0)
     e = torch.zeros(0, dtype=torch.long)
     lat = torch.zeros(0, *x.shape[1:])
-    return TransitionBatch(e, e, lat, lat, z, z, z, z, kind=kind, policy_version=version)
+    return TransitionBatch(e, e, lat, lat, z, z, z, z, kind=kind, policy_version=version).to(x.device)

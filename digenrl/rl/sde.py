@@ -204,5 +204,12 @@ def sde_step(
         x_next = mean + _bcast(std, mean) * noise.float()
     else:
         x_next = x_next.float()
-    log_prob = None if bool((std == 0).all()) else gaussian_log_prob(x_next, mean, std, kind)
+    log_prob = None if _deterministic(noise_level, std) else gaussian_log_prob(x_next, mean, std, kind)
     return SdeStepOutput(x_next=x_next, mean=mean, std=std, g=g, log_prob=log_prob)
+
+
+def _deterministic(noise_level: float | torch.Tensor, std: torch.Tensor) -> bool:
+    """Every row an ODE step (no log-prob)? Read from host noise levels, so a GPU step is never waited on."""
+    if isinstance(noise_level, torch.Tensor) and noise_level.device.type != "cpu":
+        return bool((std == 0).all())
+    return bool((torch.as_tensor(noise_level) == 0).all())

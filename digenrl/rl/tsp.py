@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from digenrl.models.base import Cond, index_cond
-from digenrl.rl.loss import LossConfig, grpo_loss, parity_sums
+from digenrl.rl.loss import LossConfig, Sums, grpo_loss, parity_sums
 from digenrl.rl.rollout import TransitionBatch, VelocityFn
 from digenrl.rl.sde import gaussian_log_prob, transition_stats
 
@@ -33,7 +33,7 @@ def backward_rows(
     normalizer: float,
     ref_velocity: VelocityFn | None = None,
     parity: bool = True,
-) -> dict[str, float]:
+) -> Sums:
     """One forward/backward over all rows of ``batch`` (each row with its own sigma and conditioning).
 
     Args:
@@ -48,7 +48,7 @@ def backward_rows(
             also measure rollout/trainer parity (:func:`digenrl.rl.loss.parity_sums`).
 
     Returns:
-        Detached per-row sums of the diagnostics (see :class:`digenrl.rl.loss.LossTerms`).
+        Detached per-row sums of the diagnostics, on the rows' device (see :class:`digenrl.rl.loss.LossTerms`).
 
     Raises:
         ValueError: if ``kl_beta > 0`` without ``ref_velocity``.
@@ -93,7 +93,7 @@ def packed_backward(
     normalizer: float | None = None,
     ref_velocity: VelocityFn | None = None,
     parity: bool = True,
-) -> list[dict[str, float]]:
+) -> list[Sums]:
     """TSP: backward over ``batch`` in passes of up to ``rows_per_pass`` (sample x step) rows.
 
     Args:
@@ -118,7 +118,7 @@ def packed_backward(
     if per < 1 and n:
         raise ValueError(f"rows_per_pass must be >= 1, got {rows_per_pass}")
     norm = float(normalizer if normalizer is not None else max(n, 1))
-    out: list[dict[str, float]] = []
+    out: list[Sums] = []
     for lo in range(0, n, max(per, 1)):
         sub = batch.rows(slice(lo, lo + per))
         out.append(backward_rows(velocity, sub, cond, advantages, cfg, normalizer=norm, ref_velocity=ref_velocity,
@@ -136,10 +136,10 @@ def per_step_backward(
     normalizer: float | None = None,
     ref_velocity: VelocityFn | None = None,
     parity: bool = True,
-) -> list[dict[str, float]]:
+) -> list[Sums]:
     """The Flow-GRPO reference loop: one forward/backward per timestep over the samples trained there."""
     norm = float(normalizer if normalizer is not None else max(len(batch), 1))
-    out: list[dict[str, float]] = []
+    out: list[Sums] = []
     for step in torch.unique(batch.step).tolist():
         sub = batch.rows((batch.step == step).nonzero().flatten())
         out.append(backward_rows(velocity, sub, cond, advantages, cfg, normalizer=norm, ref_velocity=ref_velocity,
@@ -147,7 +147,7 @@ def per_step_backward(
     return out
 
 
-def parity_recompute(velocity: VelocityFn, batch: TransitionBatch, cond: Cond, max_rows: int) -> dict[str, float]:
+def parity_recompute(velocity: VelocityFn, batch: TransitionBatch, cond: Cond, max_rows: int) -> Sums:
     """Parity sums of up to ``max_rows`` evenly spaced rows, recomputed without gradients.
 
     For rows the training pass does not measure (``train.check_parity``): ``velocity`` must carry the
@@ -176,7 +176,7 @@ def sliced_backward(
     normalizer: float,
     ref_velocity: VelocityFn | None = None,
     parity: bool = True,
-) -> list[dict[str, float]]:
+) -> list[Sums]:
     """TSP under sharded data parallelism (FSDP): rank ``rank``'s slice of ``batch``, in as many passes as every rank.
 
     Under FSDP a forward/backward is a collective (parameters are all-gathered, gradients
@@ -197,7 +197,7 @@ def sliced_backward(
     per = largest if rows_per_pass is None else rows_per_pass
     if per < 1:
         raise ValueError(f"rows_per_pass must be >= 1, got {rows_per_pass}")
-    out: list[dict[str, float]] = []
+    out: list[Sums] = []
     for p in range(-(-largest // per)):
         a, b = lo + p * per, min(hi, lo + (p + 1) * per)
         if a < b:

@@ -14,14 +14,14 @@ and scores finished ones, with one model: a rollout actor's, or a trainer's when
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 
 from digenrl.config import Config
 from digenrl.errors import StalenessViolation
-from digenrl.models import GeneratorModel, cat_cond, decode_in_chunks, repeat_cond
+from digenrl.models import GeneratorModel, cat_cond, cond_to, decode_in_chunks, repeat_cond
 from digenrl.models.lora import sampling
 from digenrl.policy import trained_steps
 from digenrl.rl.noise import initial_keys, initial_latents, transition_noise
@@ -31,6 +31,7 @@ from digenrl.rl.steps import plan_steps
 __all__ = ["FragmentData", "FragmentEngine", "Scored", "probe_velocity"]
 
 _TRANS = ("sample", "step", "x", "x_next", "sigma", "sigma_next", "log_prob", "noise_level")
+_INDICES = ("sample", "step")  # host indices (TransitionBatch): they pick rows, the math never reads them
 
 
 @dataclass
@@ -66,6 +67,11 @@ class FragmentData:
         """All recorded rows, concatenated."""
         return {k: torch.cat([t[k] for t in self.trans]) for k in _TRANS} if self.trans else {}
 
+    def to(self, device: torch.device | str) -> FragmentData:
+        """This fragment with its latents, conditioning and recorded values on ``device`` (indices stay on the host)."""
+        return replace(self, x=self.x.to(device), cond=cond_to(self.cond, device),
+                       trans=[{k: v if k in _INDICES else v.to(device) for k, v in t.items()} for t in self.trans])
+
     def to_wire(self, with_latents: bool = True) -> dict[str, Any]:
         """Plain dict of ints and tensors for the transport (no pickle)."""
         out: dict[str, Any] = {"geo": list(self.geo), "version": self.version, "step": self.step,
@@ -78,6 +84,7 @@ class FragmentData:
 
     @classmethod
     def from_wire(cls, d: dict[str, Any]) -> FragmentData:
+        """The fragment as it arrived, on the host (:meth:`to` places it where its receiver computes)."""
         trans = [d["trans"]] if d.get("trans") else []
         return cls(list(d["geo"]), int(d["version"]), int(d["step"]), d.get("x", torch.zeros(0)),
                    dict(d["cond"]), trans, d.get("rewards"))
@@ -114,6 +121,11 @@ class FragmentEngine:
         self.sigmas = model.sigmas(cfg.rollout.num_steps)
         self.fragments: dict[tuple[int, int], FragmentData] = {}
         self._cond_cache: dict[str, dict[str, torch.Tensor]] = {}
+
+    @property
+    def device(self) -> torch.device:
+        """Where this engine's fragments live: its model's device."""
+        return self.model.device  # type: ignore[attr-defined, no-any-return]
 
     # -- fragments ---------------------------------------------------------------------------
     def _cond(self, prompts: list[str]) -> dict[str, torch.Tensor]:
@@ -154,16 +166,21 @@ class FragmentEngine:
         sizes = [f.num_samples for f in frags]
         x = torch.cat([f.x for f in frags])
         cond = cat_cond([f.cond for f in frags])
+        # The step plans are host data: their noise levels and the sigmas join the latents once per
+        # token; which rows draw noise and which steps are ODE steps is read from the host copy.
+        levels = [plan.stochastic.float() * ro.noise_level for plan in plans]
+        levels_here = [a.to(x.device) for a in levels]
+        sigmas = self.sigmas.float().to(x.device)
         for i in range(start, stop):
-            sig = self.sigmas[i].float().expand(x.shape[0])
-            sig_next = self.sigmas[i + 1].float().expand(x.shape[0])
+            sig = sigmas[i].expand(x.shape[0])
+            sig_next = sigmas[i + 1].expand(x.shape[0])
             v = self.model.velocity(x, sig, cond)
             outs = []
-            for frag, ids, plan, xs, vs, ss, sn in zip(frags, sample_ids, plans, x.split(sizes), v.split(sizes),
-                                                        sig.split(sizes), sig_next.split(sizes), strict=True):
-                a = plan.stochastic[:, i].float() * ro.noise_level
-                z = transition_noise(self.cfg.log.seed, frag.geo[0], ids, i, xs, active=a > 0)
-                out = sde_step(xs, vs, ss, sn, a, z, kind=ro.sde)  # type: ignore[arg-type]
+            for frag, ids, plan, level, xs, vs, ss, sn, a in zip(
+                    frags, sample_ids, plans, levels, x.split(sizes), v.split(sizes), sig.split(sizes),
+                    sig_next.split(sizes), (lv[:, i] for lv in levels_here), strict=True):
+                z = transition_noise(self.cfg.log.seed, frag.geo[0], ids, i, xs, active=level[:, i] > 0)
+                out = sde_step(xs, vs, ss, sn, level[:, i], z, kind=ro.sde)  # type: ignore[arg-type]
                 idx = plan.trained[:, i].nonzero().flatten()
                 if idx.numel():
                     frag.trans.append({"sample": idx, "step": torch.full_like(idx, i), "x": xs[idx],

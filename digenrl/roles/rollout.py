@@ -133,7 +133,8 @@ class GenerationMixin:
             raise StalenessViolation(f"{self.name}: fragment {key} is not held here")
         try:
             data = await self.peers[source].take_fragment.call(key[0], key[1])
-            return FragmentData.from_wire(data)
+            # The one place a generating actor receives tensors: from the wire's host copy to its device.
+            return FragmentData.from_wire(data).to(self.engine.device)
         except (ActorDied, RemoteError, KeyError) as exc:
             if not compute_fresh:
                 raise

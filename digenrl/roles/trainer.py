@@ -33,11 +33,11 @@ from digenrl.actors import dropped_counts
 from digenrl.actors.base import Actor, endpoint
 from digenrl.config import config_from_dict
 from digenrl.errors import ActorDied, ConfigError, StalenessViolation
-from digenrl.models import cat_cond, reference
+from digenrl.models import cat_cond, cond_to, reference
 from digenrl.models.lora import (load_trainable, load_trainable_state_dict, trainable_mode, trainable_parameters,
                                  trainable_state_dict)
 from digenrl.policy import build_model, prepare_for_training
-from digenrl.rl.loss import LossConfig
+from digenrl.rl.loss import LossConfig, Sums, host_sums
 from digenrl.rl.lr import set_lr
 from digenrl.rl.rollout import TransitionBatch
 from digenrl.rl.tsp import packed_backward, parity_recompute, per_step_backward, sliced_backward
@@ -228,32 +228,42 @@ class TrainerActor(GenerationMixin, Actor):
             advs.append(torch.tensor(info["adv"], dtype=torch.float32))
             offset += frag.num_samples
         if not parts:
-            return [], rows if self.lead else []
-        batch = TransitionBatch.cat(parts, offsets)
-        cond, adv = cat_cond(conds), torch.cat(advs)
+            return [], rows if self._reports_rows else []
+        # The token's inputs arrived over the wire (on the host): placed on the model's device here, once.
+        device = self.model.device
+        batch = TransitionBatch.cat(parts, offsets).to(device)
+        cond, adv = cond_to(cat_cond(conds), device), torch.cat(advs).to(device)
+        sums = self._backward(batch, cond, adv, packed=token.get("packed", True))
+        return host_sums(sums), rows if self._reports_rows else []
+
+    @property
+    def _reports_rows(self) -> bool:
+        # Under FSDP every member runs every token (each its slice of the rows): the lead reports them, once.
+        return self.shard != "fsdp" or self.lead
+
+    def _backward(self, batch: TransitionBatch, cond: dict[str, torch.Tensor], adv: torch.Tensor,
+                  packed: bool = True) -> list[Sums]:
+        """A token's forward/backward passes (and a stale batch's parity recompute) on the model's device."""
         ref = self._ref_velocity if self.loss_cfg.kl_beta > 0 else None
         on_policy = batch.policy_version == self.version  # then the training forward also measures parity
+        per = self.cfg.train.rows_per_pass or None
         if self.shard == "fsdp":
             assert self.group is not None
             sums = sliced_backward(self.model.velocity, batch, cond, adv, self.loss_cfg, rank=self.group.rank,
-                                   world=self.group.world_size, rows_per_pass=self.cfg.train.rows_per_pass or None,
-                                   normalizer=1.0, ref_velocity=ref, parity=on_policy)
-            if not on_policy and self.cfg.train.check_parity:
-                parity = self._behaviour_parity(batch, cond)  # (a forward: every member runs it)
-                sums += [parity] if self.group.lead else []
-            return sums, rows if self.group.lead else []  # the lead reports the token's rows, once
-        if token.get("packed", True):
-            per = self.cfg.train.rows_per_pass or None
+                                   world=self.group.world_size, rows_per_pass=per, normalizer=1.0, ref_velocity=ref,
+                                   parity=on_policy)
+        elif packed:
             sums = packed_backward(self.model.velocity, batch, cond, adv, self.loss_cfg, rows_per_pass=per,
                                    normalizer=1.0, ref_velocity=ref, parity=on_policy)
         else:
             sums = per_step_backward(self.model.velocity, batch, cond, adv, self.loss_cfg, normalizer=1.0,
                                      ref_velocity=ref, parity=on_policy)
         if not on_policy and self.cfg.train.check_parity:
-            sums.append(self._behaviour_parity(batch, cond))
-        return sums, rows
+            parity = self._behaviour_parity(batch, cond)  # (under FSDP a forward: every member runs it)
+            sums += [parity] if self._reports_rows else []
+        return sums
 
-    def _behaviour_parity(self, batch: TransitionBatch, cond: dict[str, torch.Tensor]) -> dict[str, float]:
+    def _behaviour_parity(self, batch: TransitionBatch, cond: dict[str, torch.Tensor]) -> Sums:
         """Parity of a stale pass: a sample of its rows under the weights that sampled them (version - 1)."""
         behaviour = self._behaviour if self._behaviour is not None else self._previous
         if batch.policy_version != self.version - 1 or behaviour is None:
@@ -501,7 +511,9 @@ class TrainerActor(GenerationMixin, Actor):
 
         load_trainable(self.model, d / "trainable.safetensors")
         # Local file written by this program (never network data); weights_only refuses arbitrary objects.
-        optim = torch.load(d / "optimizer.pt", weights_only=True)
+        # Read to the host: a checkpoint written on a GPU resumes anywhere; loading moves the optimizer
+        # state to each parameter's device.
+        optim = torch.load(d / "optimizer.pt", weights_only=True, map_location="cpu")
         if self.shard == "fsdp":
             from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 

@@ -1,0 +1,173 @@
+"""Every compute path with its model on another device than the host (DESIGN §9).
+
+On a GPU the first training step of every run once failed: the trainer built its batch from
+fragments that arrived over the wire (decoded on the host) and handed them to a model on ``cuda:0``.
+A model on the ``meta`` device fails the same way on any host tensor that reaches it ("Tensor on
+device cpu is not on the expected device meta!"), so these tests run each path with its network
+there: the rows, conditionings and advantages a role receives must be placed on its device by the
+role, once. The inputs come from a real actor on the host (a CPU engine, the wire format); meta
+tensors have no values, so what is asserted is that every pass ran and left its gradients on the
+model's device (the numbers themselves are tested on CPU elsewhere).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+import torch
+
+from digenrl.actors.base import ActorRef
+from digenrl.config import config_from_dict
+from digenrl.models import repeat_cond
+from digenrl.recipes import colocated
+from digenrl.rl.advantages import group_advantages
+from digenrl.rl.noise import initial_keys, initial_latents, transition_noise
+from digenrl.rl.rollout import rollout_steps
+from digenrl.rl.steps import plan_steps
+from digenrl.roles.rollout import RolloutActor
+from digenrl.roles.trainer import TrainerActor
+
+PROMPTS = ["a red square", "a blue circle", "a green square", "a white circle"]
+STEPS = 4
+CONF: dict[str, Any] = {
+    "model": {"name": "qwenimage", "preset": "tiny"},
+    "rollout": {"num_steps": STEPS, "group_size": 2, "prompts_per_batch": 2},
+    "train": {"kl_beta": 0.04, "check_parity": True},
+    "schedule": {"name": "async1"},
+}
+GEO = [1, 0, 0, 2, 0, 2, 2]  # batch 1, fragment 0: prompts 0..1, members 0..1 of groups of 2
+
+
+async def _actor(cls: type, name: str, **kwargs: Any) -> Any:
+    """A role actor as a plain object (no actor system): ``setup`` builds its model on the host."""
+    actor = cls(config_from_dict(CONF).to_dict(), **kwargs)
+    actor._digenrl_ref = ActorRef(name, f"inproc://{name}")
+    await actor.setup()
+    return actor
+
+
+def _to_meta(model: Any) -> None:
+    """Put the network that computes velocities on the meta device (its LoRA adapters with it)."""
+    model.transformer.to("meta")
+    assert model.device.type == "meta"
+
+
+def _grads_on_meta(model: Any) -> bool:
+    """Every trained weight the velocity depends on got its gradient, on the model's device.
+
+    Qwen-Image's last block computes a text-stream output that the model discards: its adapters get
+    no gradient on any device.
+    """
+    last = len(model.transformer.transformer_blocks) - 1
+    discarded = (f"transformer_blocks.{last}.attn.to_add_out.", f"transformer_blocks.{last}.txt_mlp.")
+    trained = [(n, p) for n, p in model.transformer.named_parameters() if p.requires_grad]
+    return bool(trained) and all((p.grad is None) == n.startswith(discarded) for n, p in trained) and all(
+        p.grad.device.type == "meta" for _, p in trained if p.grad is not None)
+
+
+@pytest.fixture
+async def host_rollout() -> Any:
+    """A rollout actor on the host holding fragment GEO, version 0, advanced to step 2."""
+    actor = await _actor(RolloutActor, "rollout-0")
+    frag = actor.engine.fresh(GEO, 0, PROMPTS)
+    actor.engine.advance([frag], 0, 2)
+    actor.engine.fragments[frag.key] = frag
+    yield actor
+    await actor.__cleanup__(None)
+
+
+async def test_rollout_continues_a_handed_over_fragment_on_its_device(host_rollout: Any) -> None:
+    device_rollout = await _actor(RolloutActor, "rollout-1")
+    try:
+        _to_meta(device_rollout.engine.model)
+        device_rollout.peers = {"rollout-0": host_rollout}  # take_fragment answers with the wire form (host)
+        frag = await device_rollout._obtain(GEO, "rollout-0", 0, PROMPTS, 2)
+        device_rollout.engine.advance([frag], 2, STEPS)
+        assert frag.step == STEPS and frag.x.device.type == "meta"
+        rows = frag.transitions()
+        assert {k for k, v in rows.items() if v.device.type == "meta"} == {
+            "x", "x_next", "sigma", "sigma_next", "log_prob", "noise_level"}
+        assert rows["sample"].device.type == "cpu"  # indices stay on the host
+    finally:
+        await device_rollout.__cleanup__(None)
+
+
+async def test_trainer_generates_from_a_handed_over_fragment_on_its_device(host_rollout: Any) -> None:
+    """TAG: a trainer continues a rollout actor's fragment with its own (newest) weights."""
+    trainer = await _actor(TrainerActor, "trainer-0", staleness=1)
+    try:
+        _to_meta(trainer.model)
+        trainer.peers = {"rollout-0": host_rollout}
+        frag = await trainer._obtain(GEO, "rollout-0", 0, PROMPTS, 2)
+        trainer._rollout_compute([frag], 0, 2, STEPS)
+        assert frag.step == STEPS and frag.transitions()["x_next"].device.type == "meta"
+    finally:
+        await trainer.__cleanup__(None)
+
+
+def _train_token(frag_version: int) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    rows = 4 * (STEPS - 1)  # 4 samples, every step but the last trained
+    token = {"batch": GEO[0], "frags": [GEO[1:]], "rows": [[0, rows]], "packed": True}
+    return token, [{"adv": [1.0, -1.0, 0.5, -0.5], "keep": [True] * 4, "store": "trainer-0"}]
+
+
+async def _stored_trainer(version: int) -> Any:
+    """A trainer holding GEO's scored fragment (generated by a host engine with ``version``), as sent over the wire."""
+    trainer = await _actor(TrainerActor, "trainer-0", staleness=1)
+    frag = trainer.engine.fresh(GEO, version, PROMPTS)  # (the trainer's engine still on the host)
+    trainer.engine.advance([frag], 0, STEPS)
+    await trainer.store_fragment.call(frag.to_wire(with_latents=False))
+    return trainer
+
+
+async def test_trainer_trains_rows_that_arrived_on_the_host_on_its_device() -> None:
+    trainer = await _stored_trainer(version=1)
+    try:
+        await trainer.optim.call(0, 0)  # version 1: the fragment is on-policy
+        _to_meta(trainer.model)
+        token, frags = _train_token(1)
+        out = await trainer.train.call(token, frags)
+        assert out["rows"] == [[0, 0, 12, 12]]
+        assert _grads_on_meta(trainer.model)
+        parity = [s for s in out["sums"] if "parity_rows" in s]
+        assert parity and parity[0]["parity_rows"] == 12  # the training pass measured parity (on-policy)
+        assert math.isnan(out["sums"][0]["ratio"])  # a meta tensor reads as NaN, never a made-up value
+    finally:
+        await trainer.__cleanup__(None)
+
+
+async def test_stale_rows_recompute_parity_under_the_behaviour_weights_on_its_device() -> None:
+    """async1: rows sampled by version 0 trained into version 2; parity recomputed under version 0's weights."""
+    trainer = await _stored_trainer(version=0)
+    try:
+        await trainer.optim.call(0, 0, keep_previous=True)  # version 1, keeping version 0's weights (on the host)
+        _to_meta(trainer.model)
+        token, frags = _train_token(0)
+        out = await trainer.train.call(token, frags)
+        assert _grads_on_meta(trainer.model)
+        parity = [s for s in out["sums"] if "parity_rows" in s]
+        assert len(parity) == 1 and parity[0]["parity_rows"] == 12  # the recompute's sample: all 12 rows
+    finally:
+        await trainer.__cleanup__(None)
+
+
+def test_colocated_step_trains_on_its_device_with_advantages_from_the_host() -> None:
+    """The colocated loop: rollout on the device, the reward's advantages from the host, backward on the device."""
+    cfg = config_from_dict({**CONF, "schedule": {"name": "colocated"}})
+    run = colocated.setup(cfg)
+    g = cfg.rollout.group_size
+    cond = repeat_cond(run.model.encode_prompts(PROMPTS[:2]), g)
+    _to_meta(run.model)
+    cond = {k: v.to("meta") for k, v in cond.items()}  # the prompt embeddings as a text encoder on the device leaves them
+    groups = torch.arange(2).repeat_interleave(g)
+    sids = list(range(2 * g))
+    x0 = initial_latents(run.model, 0, 0, initial_keys(sids, g, False))
+    plan = plan_steps(STEPS, groups)
+    res = rollout_steps(run.model.velocity, x0, cond, run.sigmas, plan, 0, STEPS, noise_level=0.7,
+                        noise=lambda i: transition_noise(0, 0, sids, i, x0, active=plan.stochastic[:, i]))
+    assert res.x.device.type == "meta" and res.transitions.sigma.device.type == "meta"
+    adv = group_advantages(torch.tensor([0.2, 0.9, 0.4, 0.1]), groups)  # a reward's scores: on the host
+    sums = colocated._backward(run, res.transitions, cond, adv.advantages)
+    assert sums and _grads_on_meta(run.model)
