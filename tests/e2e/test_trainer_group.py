@@ -22,7 +22,7 @@ from digenrl.policy import build_model
 from digenrl.recipes.checkpoint import find_checkpoint, load_state
 from digenrl.recipes.disaggregated import arun_disaggregated
 from digenrl.roles.coordinator import RunStopped
-from tests.conftest import gpu_test
+from tests.conftest import gpu_marks, gpu_test
 
 CONFIG = Path(__file__).resolve().parents[2] / "configs" / "tiny-qwenimage.toml"
 
@@ -127,48 +127,76 @@ async def test_killed_group_member_stops_the_run_and_resume_reforms_the_group(tm
     assert history[2]["grad_norm"] > 0
 
 
-def _fsdp_bf16_member(queue: object) -> None:
-    """One NCCL rank: FSDP2 on the tiny bf16 model with fp32 master weights, a backward, a gathered state."""
+def _fsdp_bf16_member(queue: object, device: str) -> None:
+    """One rank (NCCL on cuda, gloo on cpu): FSDP2 on the tiny bf16 model with fp32 master weights.
+
+    Reports what the policy must give: sharded fp32 parameters, bf16 inside the blocks (every Linear's
+    input and weight as the forward runs), fp32 gradients on exactly the parameters an unsharded fp32
+    copy of the model gets gradients on, pointing the same way, and a gathered state on the host.
+    """
+    import copy
+
     from torch.distributed.tensor import DTensor
 
     from digenrl.config import config_from_dict
     from digenrl.policy import prepare_for_training
-    from digenrl.roles.trainer_group import TrainerGroup, gathered_state_dict, open_store, shard_model
+    from digenrl.roles.trainer_group import TrainerGroup, gathered_state_dict, group_backend, open_store, shard_model
 
+    torch.set_num_threads(1)
     store = open_store("127.0.0.1", 1, 60.0)
-    group = TrainerGroup(0, 1, f"127.0.0.1:{store.port}", "nccl", 60.0, store=store)
-    cfg = config_from_dict({"model": {"name": "qwenimage", "preset": "tiny", "device": "cuda", "dtype": "bfloat16",
+    group = TrainerGroup(0, 1, f"127.0.0.1:{store.port}", group_backend(device), 60.0, store=store)
+    cfg = config_from_dict({"model": {"name": "qwenimage", "preset": "tiny", "device": device, "dtype": "bfloat16",
                                       "finetune": "full"}, "schedule": {"name": "gap"},
                             "train": {"shard": "fsdp", "grad_checkpointing": True}})
     model, _ = build_model(cfg)
     prepare_for_training(model, cfg)
-    shard_model(model, fp32_master=True)
-    params = list(model.transformer.parameters())
+    reference = copy.deepcopy(model.transformer).float()  # unsharded fp32: which weights get gradients
     cond = model.encode_prompts(["a red square"])
-    x = model.prepare_latents(1)
-    v = model.velocity(x, torch.tensor([0.5]), cond)
-    v.float().square().mean().backward()
+    x = model.prepare_latents(1, generator=torch.Generator().manual_seed(0))
+    sigma = torch.tensor([0.5])
+    shard_model(model, fp32_master=True)
+    seen: set[tuple[str, str]] = set()
+    hooks = [m.register_forward_hook(lambda m, i, o: seen.add((str(i[0].dtype), str(m.weight.dtype))))
+             for m in model.transformer.modules() if isinstance(m, torch.nn.Linear)]
+    model.velocity(x, sigma, cond).float().square().mean().backward()
+    for h in hooks:
+        h.remove()
+    sharded = dict(model.transformer.named_parameters())
+    model.transformer, fsdp = reference, model.transformer
+    model.velocity(x, sigma, cond).float().square().mean().backward()
+    ref = {n: p.grad for n, p in reference.named_parameters()}
+    got = {n: p.grad.full_tensor() for n, p in sharded.items() if p.grad is not None}
+    flat = [(got[n].flatten().float().cpu(), ref[n].flatten().float().cpu()) for n in got if ref.get(n) is not None]
+    a, b = torch.cat([g for g, _ in flat]), torch.cat([r for _, r in flat])
+    model.transformer = fsdp
     state = gathered_state_dict(trainable_state_dict(model, copy_tensors=False), keep=True)
-    queue.put({"sharded": all(isinstance(p, DTensor) for p in params),
-               "master": {str(p.dtype) for p in params}, "compute": str(v.dtype),
-               "grads": all(p.grad is not None for p in params),
+    queue.put({"sharded": all(isinstance(p, DTensor) for p in sharded.values()),
+               "master": {str(p.dtype) for p in sharded.values()}, "compute": seen,
+               "grads": {str(g.dtype) for g in got.values()},
+               "same_params_get_grads": set(got) == {n for n, g in ref.items() if g is not None},
+               "grads_cosine": float(torch.nn.functional.cosine_similarity(a, b, dim=0)),
                "gathered": {str(t.device) for t in state.values()}})
     group.close()
 
 
-@pytest.mark.gpu
-@gpu_test(1)
-def test_fsdp_keeps_fp32_master_weights_and_computes_in_bf16_on_cuda() -> None:
+def _fsdp_bf16_report(device: str) -> dict[str, object]:
     import multiprocessing as mp
 
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    proc = ctx.Process(target=_fsdp_bf16_member, args=(queue,))
+    proc = ctx.Process(target=_fsdp_bf16_member, args=(queue, device))
     proc.start()
     out = queue.get(timeout=300)
     proc.join(60)
-    assert out == {"sharded": True, "master": {"torch.float32"}, "compute": "torch.bfloat16", "grads": True,
-                   "gathered": {"cpu"}}
+    return out
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=gpu_marks(1))])
+def test_fsdp_keeps_fp32_master_weights_and_computes_in_bf16(device: str) -> None:
+    out = _fsdp_bf16_report(device)
+    assert out.pop("grads_cosine") > 0.99  # bf16 compute: the direction of the fp32 gradient, not its bits
+    assert out == {"sharded": True, "master": {"torch.float32"}, "compute": {("torch.bfloat16", "torch.bfloat16")},
+                   "grads": {"torch.float32"}, "same_params_get_grads": True, "gathered": {"cpu"}}
 
 
 @pytest.mark.gpu
