@@ -18,9 +18,11 @@ _EPILOG = examples(
 Host checks always run (a few seconds): versions, cores, RAM, /dev/shm, the host lanes' bandwidth
 over a memcpy of the same bytes, and the header round trip between two processes on each event
 loop over raw synchronous pyzmq, and rollout/train parity (trainer log-probs recomputed with the
-sampling weights vs the rollout's) of two tiny fp32 CPU runs, colocated and async1. With CUDA devices the GPU checks follow (devices, P2P, NCCL and
-CUDA IPC bandwidth, a tiny bf16 run under colocated and async1, rollout/train parity); without
-them the report lists what it skipped. Exit code 1 only when something stops digenrl from running.
+sampling weights vs the rollout's) of two tiny fp32 CPU runs, colocated and async1. With CUDA devices the GPU checks follow (devices, P2P, torch's
+and cupy's CUDA major, NCCL bandwidth with 2+ GPUs (skipped on one, with the reason) and CUDA IPC
+bandwidth, a tiny bf16 run under colocated and async1, rollout/train parity, and one transformer
+block per model family at its published width, forward and backward in bf16); without them the
+report lists what it skipped. Exit code 1 only when something stops digenrl from running.
 """
 
 

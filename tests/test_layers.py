@@ -29,7 +29,7 @@ ALLOWED: dict[str, set[str]] = {
     "policy": {"config", "models"},
     "roles": _CORE | {"config", "policy", "data", "models", "rewards", "rl", "schedule"},
     "recipes": _CORE | {"config", "policy", "roles", "data", "models", "rewards", "rl", "schedule", "sim"},
-    "doctor": _CORE | {"config", "recipes"},
+    "doctor": _CORE | {"config", "recipes", "models"},
     "plan": {"config", "policy", "models", "schedule", "sim", "telemetry"},
 }
 

@@ -7,10 +7,12 @@
   round trip between two processes on each event loop beside raw synchronous pyzmq.
 * ``cpu_parity`` (always, a few seconds; :mod:`digenrl.doctor.parity`): rollout/train parity of two
   tiny fp32 CPU runs (``colocated``, ``async1``), from their ``parity_*`` metrics.
-* ``gpu`` (only with CUDA devices; :mod:`digenrl.doctor.gpu`): devices, the P2P matrix, NCCL
-  broadcast and CUDA IPC bandwidth beside a device-to-device copy, a tiny bf16 run under
-  ``colocated`` and ``async1``, and rollout/train parity at the first update. Without a GPU the
-  section lists what it skipped and why, and the report still counts as healthy.
+* ``gpu`` (only with CUDA devices; :mod:`digenrl.doctor.gpu`): devices, the P2P matrix, torch's and
+  cupy's CUDA major (:mod:`digenrl.doctor.cuda`), NCCL broadcast (with 2 GPUs or more: skipped on
+  one, with the reason) and CUDA IPC bandwidth beside a device-to-device copy, a tiny bf16 run under
+  ``colocated`` and ``async1``, rollout/train parity at the first update, and one transformer block
+  per model family at its published width trained once in bf16 (:mod:`digenrl.doctor.blocks`).
+  Without a GPU the section lists what it skipped and why, and the report still counts as healthy.
 
 ``problems`` lists what stops digenrl from running here (empty: good to go).
 """

@@ -1,17 +1,24 @@
 """The GPU half of ``digenrl doctor``: the checklist for the first day on a machine with GPUs.
 
-NEVER RUN YET: this project is built on machines without a GPU, so every line below the
-``torch.cuda.is_available()`` guard of :func:`check_gpu` has never executed; it is written against
-torch's documented API (``torch.cuda``, ``torch.distributed`` with NCCL, CUDA tensors shared
-between processes by ``torch.multiprocessing``) and reports each failure as an ``error`` entry
-instead of stopping the other checks. Its test is marked ``gpu``.
+RUN ONCE ON A GPU: this project is built on machines without one. The checklist below the
+``torch.cuda.is_available()`` guard of :func:`check_gpu` ran once, on one H200 (issue 28: the
+collectives then ran at world size 1 too); the ``cupy`` and ``blocks`` checks and the collective plan
+(:func:`collective_plan`) added since have never run on a GPU. It is written against torch's
+documented API (``torch.cuda``, ``torch.distributed`` with NCCL, CUDA tensors shared between
+processes by ``torch.multiprocessing``) and reports each failure as an ``error`` entry instead of
+stopping the other checks. Its test is marked ``gpu``.
 
 Checks (each ratio measured in one go):
   * devices (name, capability, memory) and the P2P matrix (``can_device_access_peer``);
+  * torch and cupy built for the same CUDA major (:mod:`digenrl.doctor.cuda`);
   * device-to-device copy bandwidth on each GPU and between GPU 0 and each other GPU (the
     reference for the lanes);
-  * NCCL broadcast (torch.distributed, one process per GPU) on 1 and on all GPUs, and the CUDA
-    IPC lane (a tensor shared with another process, copied there), each over the copy;
+  * NCCL broadcast (torch.distributed, one process per GPU) and the weight lane's NCCL
+    communicator (cupy), both on all GPUs, only with 2 or more (:func:`collective_plan`: a
+    broadcast to nobody measures nothing), and the CUDA IPC lane (a tensor shared with another
+    process, copied there), each over the copy;
+  * one transformer block per model family at its published width, forward and backward in bf16
+    (:mod:`digenrl.doctor.blocks`): a stack that cannot train one cannot train the model;
   * a tiny run in bf16 on ``cuda`` under ``colocated`` and ``async1``: samples/s and peak memory
     (colocated: ``torch.cuda.max_memory_allocated``; actors: per process, sampled by nvidia-smi);
   * rollout/train parity: at the first update the PPO ratio must be 1 within 1e-3 and the mean
@@ -32,12 +39,25 @@ import traceback
 from collections.abc import Callable, Iterator
 from typing import Any
 
-__all__ = ["check_gpu", "problems", "SKIPPED_WITHOUT_GPU"]
+__all__ = ["check_gpu", "problems", "collective_plan", "COLLECTIVES", "SKIPPED_WITHOUT_GPU"]
 
 MiB = 1 << 20
 PARITY_TOL = 1e-3
-SKIPPED_WITHOUT_GPU = ("devices", "p2p", "copy_bandwidth", "nccl_broadcast", "nccl_communicator", "cuda_ipc",
-                       "tiny_runs", "parity")
+COLLECTIVES = ("nccl_broadcast", "nccl_communicator")
+SKIPPED_WITHOUT_GPU = ("devices", "p2p", "cupy", "copy_bandwidth", *COLLECTIVES, "cuda_ipc", "tiny_runs", "parity",
+                       "blocks")
+
+
+def collective_plan(count: int) -> dict[str, dict[str, Any]]:
+    """Which collective checks run on ``count`` GPUs, and at which world size; the others' skip reason.
+
+    A collective needs two ranks: at world size 1 NCCL's broadcast returns without moving a byte, and
+    its "bandwidth" (10-11 TB/s on an H200, 5x a device copy) is no figure of the machine. So it runs
+    once, over every GPU, and with fewer than two it is skipped and says why.
+    """
+    if count < 2:
+        return {name: {"skipped": f"needs 2 GPUs, found {count}"} for name in COLLECTIVES}
+    return {name: {"world": count} for name in COLLECTIVES}
 
 
 def check_gpu() -> dict[str, Any]:
@@ -48,16 +68,22 @@ def check_gpu() -> dict[str, Any]:
         why = ("torch is a CPU build" if torch.version.cuda is None
                else f"torch (CUDA {torch.version.cuda}) sees no CUDA device")
         return {"available": False, "reason": why, "skipped": list(SKIPPED_WITHOUT_GPU)}
+    from digenrl.doctor.blocks import check_blocks
+    from digenrl.doctor.cuda import check_cupy
+
     n = torch.cuda.device_count()
     out: dict[str, Any] = {"available": True, "count": n}
+    plan = collective_plan(n)
     steps: list[tuple[str, Callable[[], Any]]] = [
         ("devices", lambda: _devices(n)),
         ("p2p", lambda: _p2p(n)),
+        ("cupy", check_cupy),
         ("copy_bandwidth", lambda: _copies(n)),
-        ("nccl_broadcast", lambda: [_nccl(w, out) for w in sorted({1, n})]),
-        ("nccl_communicator", lambda: [_communicator(w, out) for w in sorted({1, n})]),
+        ("nccl_broadcast", lambda: _collective(_nccl, plan["nccl_broadcast"], out)),
+        ("nccl_communicator", lambda: _collective(_communicator, plan["nccl_communicator"], out)),
         ("cuda_ipc", lambda: [_ipc(0, d, out) for d in sorted({0, n - 1})]),
         ("tiny_runs", lambda: [_tiny_run("colocated"), _tiny_run("async1")]),
+        ("blocks", check_blocks),
     ]
     for name, step in steps:
         try:
@@ -69,11 +95,23 @@ def check_gpu() -> dict[str, Any]:
 
 
 def problems(gpu: dict[str, Any]) -> list[str]:
-    """Failed GPU checks (none without a GPU: a CPU machine runs digenrl fine)."""
+    """Failed GPU checks (none without a GPU: a CPU machine runs digenrl fine).
+
+    A skipped check (``{"skipped": why}``, e.g. a collective on one GPU) and a note (cupy absent) are
+    not problems; a cupy built for another CUDA than torch is, and so is each family whose real-width
+    block failed, by name.
+    """
+    from digenrl.doctor import blocks
+
     if not gpu.get("available"):
         return []
     out = [f"gpu check {name} failed: {v['error']}" for name, v in gpu.items()
-           if isinstance(v, dict) and "error" in v]
+           if name != "blocks" and isinstance(v, dict) and "error" in v]
+    cupy = gpu.get("cupy", {})
+    if isinstance(cupy, dict) and cupy.get("problem"):
+        out.append(cupy["problem"])
+    if isinstance(gpu.get("blocks"), dict):
+        out += blocks.problems(gpu["blocks"])
     parity = gpu.get("parity", {})
     if parity.get("ok") is False:
         out.append(f"rollout/train parity: {parity.get('why')}")
@@ -179,6 +217,12 @@ def _nccl(world: int, out: dict[str, Any], nbytes: int = 256 * MiB) -> dict[str,
     return {"gpus": world, "size_bytes": nbytes, "gbps": gbps, "copy_gbps": ref, "ratio": gbps / ref if ref else None}
 
 
+def _collective(lane: Callable[[int, dict[str, Any]], dict[str, Any]], step: dict[str, Any],
+                out: dict[str, Any]) -> dict[str, Any]:
+    """One step of :func:`collective_plan`: ``lane`` measured at its world size, or its skip as it is."""
+    return lane(step["world"], out) if "world" in step else step
+
+
 def _communicator_rank(rank: int, world: int, wire: dict[str, Any], nbytes: int, rounds: int, results: Any) -> None:
     import torch
 
@@ -204,13 +248,16 @@ def _communicator_rank(rank: int, world: int, wire: dict[str, Any], nbytes: int,
 def _communicator(world: int, out: dict[str, Any], nbytes: int = 256 * MiB) -> dict[str, Any]:
     import importlib.util
 
+    import torch
     import torch.multiprocessing as mp
 
+    from digenrl.doctor.cuda import cupy_package_for
     from digenrl.transport.communicator import GroupHost
 
     if importlib.util.find_spec("cupy") is None:
-        return {"gpus": world, "skipped": "cupy is not installed (pip install 'digenrl[gpu]'); transport.weights = "
-                                           "'nccl' needs it"}
+        want = cupy_package_for(torch.version.cuda)
+        return {"gpus": world, "skipped": f"cupy is not installed (pip install {want}); transport.weights = 'nccl' "
+                                           "needs it"}
     spec = GroupHost("nccl").new_group(world)
     ctx = mp.get_context("spawn")
     results = ctx.SimpleQueue()

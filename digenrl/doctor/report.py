@@ -41,13 +41,47 @@ def _sections(report: dict[str, Any]) -> list[tuple[str, list[str], list[list[st
         why = gpu.get("reason", "not requested")
         out.append(("gpu: skipped", ["check", "why skipped"], [[name, why] for name in gpu.get("skipped", [])]))
         return out
-    rows = []
-    for name, value in gpu.items():
-        if name in ("available", "count"):
-            continue
-        rows.append([name, str(value.get("error")) if isinstance(value, dict) and "error" in value else _short(value)])
+    rows = [[name, _gpu_result(value)] for name, value in gpu.items()
+            if name not in ("available", "count", "blocks")]
     out.append((f"gpu ({gpu['count']} devices)", ["check", "result"], rows))
+    if "blocks" in gpu:
+        out.append(_blocks_section(gpu["blocks"]))
     return out
+
+
+def _gpu_result(value: Any) -> str:
+    """A check's cell: its error, its skip reason, cupy's verdict, else the figures."""
+    if isinstance(value, dict):
+        if "error" in value:
+            return str(value["error"])
+        if "skipped" in value:
+            return f"skipped: {value['skipped']}"
+        for key in ("problem", "note"):  # cupy against torch's CUDA
+            if value.get(key):
+                return f"{key}: {value[key]}"
+        if value.get("ok") is True and "torch_cuda" in value:
+            return (f"ok: torch on CUDA {value['torch_cuda']}, cupy ({', '.join(value['cupy_packages'])}) on "
+                    f"CUDA {value['cupy_cuda']}")
+    return _short(value)
+
+
+def _blocks_section(blocks: dict[str, Any]) -> tuple[str, list[str], list[list[str]]]:
+    title = "gpu: one transformer block per family at its published width (forward, forward + backward)"
+    columns = ["family", "width", "tokens (B x (image + text))", "dtype", "forward", "train", "result"]
+    if "error" in blocks:
+        return title, columns, [["all", "", "", "", "", "", str(blocks["error"])]]
+    rows = []
+    for family, r in blocks.items():
+        s = r.get("shape")
+        tokens = f"{s['batch']} x ({s['frames'] * s['height'] * s['width']} + {s['text_tokens']})" if s else "?"
+        result = "ok" if r.get("ok") else f"{r.get('phase')} failed: {_short(r.get('error'), 120)}"
+        rows.append([family, str(r.get("dim", "?")), tokens, str(r.get("dtype", "?")),
+                     _ms(r.get("forward_ms")), _ms(r.get("train_ms")), result])
+    return title, columns, rows
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f} ms"
 
 
 def _num(value: float | None, fmt: str) -> str:

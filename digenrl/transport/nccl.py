@@ -121,8 +121,12 @@ def _cupy_nccl() -> Any:
     try:
         from cupy.cuda import nccl
     except ImportError as exc:
-        raise ConfigError("transport.weights = 'nccl' needs cupy with NCCL: pip install 'digenrl[gpu]' "
-                          f"(cupy-cuda12x), or use 'gloo' / 'zmq' ({exc})") from None
+        import torch
+
+        # cupy ships one wheel per CUDA major; the one to install is torch's (setup.sh installs it on a GPU machine)
+        wheel = f"cupy-cuda{torch.version.cuda.split('.')[0]}x" if torch.version.cuda else "a cupy-cudaNNx wheel"
+        raise ConfigError(f"transport.weights = 'nccl' needs cupy with NCCL: pip install {wheel} (torch's CUDA "
+                          f"{torch.version.cuda}), or use 'gloo' / 'zmq' ({exc})") from None
     if not getattr(nccl, "available", True):
         raise ConfigError("transport.weights = 'nccl': this cupy was built without NCCL; use 'gloo' or 'zmq'")
     return nccl

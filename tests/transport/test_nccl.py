@@ -65,7 +65,9 @@ def test_unique_id_survives_msgpack_in_every_cupy_form() -> None:
 
 @pytest.mark.skipif(HAS_CUPY, reason="cupy is installed")
 def test_nccl_without_cupy_is_a_config_error_naming_the_fix() -> None:
-    with pytest.raises(ConfigError, match=r"needs cupy with NCCL: pip install 'digenrl\[gpu\]'"):
+    # the wheel built for torch's CUDA major (cupy-cuda12x was once named whatever torch's CUDA was)
+    wheel = f"cupy-cuda{torch.version.cuda.split('.')[0]}x" if torch.version.cuda else "a cupy-cudaNNx wheel"
+    with pytest.raises(ConfigError, match=f"needs cupy with NCCL: pip install {wheel} "):
         GroupHost("nccl").new_group(2)
     with pytest.raises(ConfigError, match="needs cupy"):
         join_group(GroupSpec("nccl", 0, 2, bytes(128)), 1)
