@@ -1,14 +1,20 @@
-"""Shared test configuration: one torch thread per test process, and a GPU marker helper."""
+"""Shared test configuration: one torch thread per test process, a GPU marker helper, and how tests start
+child Python processes."""
 
 from __future__ import annotations
 
+import os
+import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import TypeVar
 
 import pytest
 import torch
 
 T = TypeVar("T")
+
+ROOT = Path(__file__).resolve().parents[1]
 
 torch.set_num_threads(1)
 
@@ -29,3 +35,22 @@ def gpu_test(n: int = 1) -> Callable[[T], T]:
         return obj
 
     return apply
+
+
+def child_env(*paths: str | Path, **extra: str) -> dict[str, str]:
+    """This process's environment for a child Python process, plus ``extra`` variables.
+
+    ``paths`` and the project root go *ahead of* the inherited ``PYTHONPATH``, never instead of it: where
+    this interpreter's packages come from (a venv, a ``pip --target`` directory on ``PYTHONPATH`` as on the
+    GPU machine, a system install) is not a test's business, and a child must import what we import.
+    """
+    inherited = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env = {**os.environ, **extra}
+    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys([*map(str, paths), str(ROOT), *inherited]))
+    return env
+
+
+def digenrl_command(*args: str) -> list[str]:
+    """argv of the ``digenrl`` command run by this interpreter (its console script need not sit beside
+    ``sys.executable``: a ``pip --target`` install puts it elsewhere)."""
+    return [sys.executable, "-m", "digenrl_cli.main", *args]

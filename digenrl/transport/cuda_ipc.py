@@ -37,9 +37,11 @@ and reason at WARNING), emits the named warning ``HostStagingWarning`` and adds 
 that ride inline in the header, such as step counters, are not staging). Only ``ipc://`` and loopback
 destinations can use handles: CUDA IPC needs both processes on one node.
 
-GPU coverage: ``export_handle`` / ``open_handle`` and the ledger's hold on real CUDA memory have never
-run here (no GPU); ``tests/transport/test_conformance.py::TestCudaIpc`` (marked gpu) runs them. The
-protocol (ids, acks, ledger, death, route decision, staging counter) is tested on the CPU.
+GPU coverage: ``export_handle`` / ``open_handle`` between two processes ran once, on an H200
+(``tests/transport/test_cuda_ipc.py``); ``tests/transport/test_conformance.py::TestCudaIpc`` (marked gpu)
+now sends CUDA tensors between two endpoints of one process (the cache entry of ``export_handle``),
+which has not run on a GPU yet. The protocol (ids, acks, ledger, death, route decision, staging
+counter) is tested on the CPU.
 """
 
 from __future__ import annotations
@@ -71,9 +73,18 @@ class HostStagingWarning(UserWarning):
 
 
 def export_handle(t: torch.Tensor) -> dict[str, Any]:
-    """The msgpack-able CUDA IPC handle of a CUDA tensor's storage (no pickle)."""
+    """The msgpack-able CUDA IPC handle of a CUDA tensor's storage (no pickle).
+
+    The storage is also entered in torch's cache of opened handles under the key ``open_handle``
+    looks up: CUDA refuses to open an IPC handle in the process that exported it, so a receiver in
+    this process (two endpoints of one process) gets the storage itself from the cache, as torch's
+    own ``rebuild_cuda_tensor`` does for a handle it opened before.
+    """
+    from torch.multiprocessing.reductions import StorageWeakRef, shared_cache
+
     storage = t.untyped_storage()
     (device, handle, size, soff, rc, rco, ev, evs) = storage._share_cuda_()
+    shared_cache[(handle, soff)] = StorageWeakRef(storage)
     return {"kind": "cuda_ipc", "dev": int(device), "h": bytes(handle), "size": int(size), "soff": int(soff),
             "stride": list(t.stride()), "toff": int(t.storage_offset()), "rc": bytes(rc), "rco": int(rco),
             "ev": None if ev is None else bytes(ev), "evs": bool(evs)}

@@ -17,6 +17,7 @@ from digenrl.config import Config, load_config
 from digenrl.recipes.checkpoint import find_checkpoint, load_state
 from digenrl.recipes.disaggregated import arun_disaggregated
 from digenrl.telemetry.metrics import METRIC_KEYS
+from tests.conftest import child_env, digenrl_command
 
 CONFIG = Path(__file__).resolve().parents[2] / "configs" / "tiny-qwenimage.toml"
 ROWS = 8 * 8 * 1  # prompts x group x trained steps (a one-step window) of one logical batch
@@ -173,7 +174,6 @@ async def test_actors_placed_on_joined_workers(tmp_path: Path) -> None:
     with the run's CURVE keys as across hosts."""
     import socket
     import subprocess
-    import sys
 
     from digenrl.transport.curve import create_keys
 
@@ -184,9 +184,8 @@ async def test_actors_placed_on_joined_workers(tmp_path: Path) -> None:
     address = f"tcp://127.0.0.1:{port}"
     cfg = _load("train.iterations=2", "log.image_every=0", "placement.workers=2",
                           f"transport.address={address}", f"transport.keys='{keys}'")
-    exe = Path(sys.executable).with_name("digenrl")
-    procs = [subprocess.Popen([str(exe), "worker", "--join", address, "--name", f"gpu{i}", "--log-level", "WARNING",
-                               "--keys", str(keys)])
+    procs = [subprocess.Popen(digenrl_command("worker", "--join", address, "--name", f"gpu{i}", "--log-level", "WARNING",
+                                              "--keys", str(keys)), env=child_env())
              for i in range(2)]
     try:
         history = await arun_disaggregated(cfg, tmp_path / "run")

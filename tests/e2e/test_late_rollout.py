@@ -10,10 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -26,10 +24,10 @@ from digenrl.recipes.disaggregated import actor_plan, arun_disaggregated
 from digenrl.recipes.late_rollout import LateRollouts
 from digenrl.roles.coordinator import Coordinator
 from digenrl.schedule.base import Device
+from tests.conftest import child_env, digenrl_command
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "configs" / "tiny-qwenimage.toml"
-DIGENRL = Path(sys.executable).with_name("digenrl")
 ROWS = 8 * 8 * 1  # prompts x group x trained steps of one logical batch (as test_disaggregated)
 # a short async1 run: 5 steps of 8 prompts in 4 fragment groups
 SHORT = ["schedule.name=async1", "rollout.prompts_per_batch=8", "schedule.fragment_groups=4", "schedule.train_pack=32",
@@ -37,8 +35,8 @@ SHORT = ["schedule.name=async1", "rollout.prompts_per_batch=8", "schedule.fragme
 
 
 def _worker(address: str, name: str) -> subprocess.Popen[bytes]:
-    return subprocess.Popen([str(DIGENRL), "worker", "--join", address, "--name", name, "--log-level", "WARNING"],
-                            env={**os.environ, "PYTHONPATH": str(ROOT)}, stdin=subprocess.DEVNULL,
+    return subprocess.Popen(digenrl_command("worker", "--join", address, "--name", name, "--log-level", "WARNING"),
+                            env=child_env(), stdin=subprocess.DEVNULL,
                             stderr=subprocess.PIPE)
 
 

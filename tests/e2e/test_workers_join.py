@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import re
 import socket
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,9 +15,9 @@ from digenrl.actors import ActorSystem, Worker
 from digenrl.config import load_config
 from digenrl.errors import ConfigError
 from digenrl.recipes.disaggregated import start_cluster
+from tests.conftest import child_env, digenrl_command
 
 ROOT = Path(__file__).resolve().parents[2]
-DIGENRL = Path(sys.executable).with_name("digenrl")
 
 
 async def test_joins_are_reported_and_missing_workers_fail_after_join_timeout(caplog: pytest.LogCaptureFixture) -> None:
@@ -28,7 +26,7 @@ async def test_joins_are_reported_and_missing_workers_fail_after_join_timeout(ca
                        "transport.address=tcp://127.0.0.1:0"])
     async with ActorSystem(address=cfg.transport.address, heartbeat_interval=0.2, heartbeat_timeout=10.0) as system:
         proc = await asyncio.create_subprocess_exec(
-            str(DIGENRL), "worker", "--join", system.address, "--name", "w1", env={**os.environ, "PYTHONPATH": str(ROOT)},
+            *digenrl_command("worker", "--join", system.address, "--name", "w1"), env=child_env(),
             stdin=subprocess.DEVNULL)
         try:
             # However long the process takes to start, its join is reported as it happens.

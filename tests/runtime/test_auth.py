@@ -14,13 +14,14 @@ from digenrl.actors import ActorSystem, AllowList
 from digenrl.actors.allowlist import register_actor_class, registered
 from digenrl.errors import ActorNotAllowed, RemoteError
 from digenrl.transport.curve import create_keys, load_keys
-from test_worker_and_example import DIGENRL, _env
+from test_worker_and_example import _env
+from tests.conftest import digenrl_command
 
 pytestmark = pytest.mark.timeout(120)
 
 
 async def _worker(*args: str) -> asyncio.subprocess.Process:
-    return await asyncio.create_subprocess_exec(str(DIGENRL), "worker", *args, "--log-level", "WARNING",
+    return await asyncio.create_subprocess_exec(*digenrl_command("worker", *args, "--log-level", "WARNING"),
                                                 env=_env(), stdin=subprocess.DEVNULL, stderr=subprocess.PIPE)
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import os
 import re
 import subprocess
 import sys
@@ -15,23 +14,21 @@ import pytest
 from _actors import BadSetup, Counter
 from digenrl.actors import ActorSystem
 from digenrl.errors import ConfigError, RemoteError
+from tests.conftest import child_env, digenrl_command
 
 ROOT = Path(__file__).resolve().parents[2]
-DIGENRL = Path(sys.executable).with_name("digenrl")
 
 
 def _env() -> dict[str, str]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parent), str(ROOT)])  # _actors, like the driver
-    return env
+    return child_env(Path(__file__).parent)  # _actors, like the driver
 
 
 async def test_worker_joins_over_tcp_and_hosts_actors() -> None:
     async with ActorSystem(address="tcp://127.0.0.1:0", heartbeat_interval=0.2, heartbeat_timeout=10.0) as system:
         assert re.fullmatch(r"tcp://127\.0\.0\.1:\d+", system.address)
         proc = await asyncio.create_subprocess_exec(
-            str(DIGENRL), "worker", "--join", system.address, "--name", "w1", "--allow", "_actors:Counter",
-            "--allow", "_actors:BadSetup", env=_env(),
+            *digenrl_command("worker", "--join", system.address, "--name", "w1", "--allow", "_actors:Counter",
+                             "--allow", "_actors:BadSetup"), env=_env(),
             stdin=subprocess.DEVNULL)
         try:
             [worker] = await system.wait_for_workers(1, timeout=90)
@@ -79,7 +76,8 @@ async def test_worker_exits_when_the_system_dies() -> None:
     async with ActorSystem(address="tcp://127.0.0.1:0", heartbeat_interval=0.2, heartbeat_timeout=3.0,
                            shutdown_timeout=2.0) as system:
         proc = await asyncio.create_subprocess_exec(
-            str(DIGENRL), "worker", "--join", system.address, "--name", "orphan", "--allow", "_actors:Counter", env=_env(),
+            *digenrl_command("worker", "--join", system.address, "--name", "orphan", "--allow", "_actors:Counter"),
+            env=_env(),
             stdin=subprocess.DEVNULL, stderr=subprocess.PIPE)
         try:
             [worker] = await system.wait_for_workers(1, timeout=90)

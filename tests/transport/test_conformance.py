@@ -1,8 +1,11 @@
 """One conformance suite for every transport (diffusers ``SchedulerCommonTest`` style).
 
 ``TransportConformance`` holds the contract of ``digenrl.transport.base.Transport``; each
-subclass only says how to build an endpoint and how to run a peer that can die. Real sockets and,
-for zmq, a real child process that is SIGKILLed.
+subclass only says how to build an endpoint, how to run a peer that can die, and on which device
+its payload tensors live (``device``: the one the implementation is for, so the CUDA IPC lane is
+checked with CUDA tensors, which it hands over by handle, not with host tensors it would stage).
+Real sockets and, for zmq, a real child process that is SIGKILLed. A payload staged through host
+memory fails every test here (``HostStagingWarning`` is an error, ``stats["staged"]`` must stay 0).
 """
 
 from __future__ import annotations
@@ -21,11 +24,12 @@ import pytest
 import torch
 
 from digenrl.errors import TransportBroken, TransportClosed
-from digenrl.transport import Transport, make_transport
+from digenrl.transport import Message, Transport, make_transport
 
-from tests.conftest import gpu_test
+from tests.conftest import child_env, gpu_test
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.timeout(60),
+              pytest.mark.filterwarnings("error::digenrl.transport.cuda_ipc.HostStagingWarning")]
 
 # A peer in another process that imports only zmq and msgpack (starts in ~0.1 s, no torch):
 # binds a ROUTER, says READY on stdout, and reports each message's first header key.
@@ -42,10 +46,11 @@ while True:
 
 
 class TransportConformance:
-    """The contract every transport keeps. Subclasses set ``kind`` and may override the hooks."""
+    """The contract every transport keeps. Subclasses set ``kind`` (and ``device``) and may override the hooks."""
 
     kind: ClassVar[str]
     options: ClassVar[dict[str, Any]] = {}
+    device: ClassVar[str] = "cpu"  # where every payload tensor is made: the device the implementation is for
 
     def address(self) -> str | None:
         return None
@@ -67,16 +72,40 @@ class TransportConformance:
             await a.aclose()
             await b.aclose()
 
+    async def recv(self, t: Transport, within: float = 20.0) -> Message:
+        """``t``'s next message. One that ``t`` cannot decode (say a device handle it cannot open) is dropped
+        and counted, never delivered: fail at once, with ``t``'s counters, rather than wait for the timeout."""
+        loop = asyncio.get_running_loop()
+        dropped, end = t.stats["dropped"], loop.time() + within
+        task = asyncio.ensure_future(t.recv())
+        while not task.done():
+            if t.stats["dropped"] > dropped or loop.time() > end:
+                task.cancel()
+                pytest.fail(f"{t.kind} endpoint {t.address}: a message was dropped, or none came within {within} s; "
+                            f"counters {t.stats}")
+            await asyncio.wait({task}, timeout=0.02)
+        return task.result()
+
+    def received(self, got: torch.Tensor, sent: torch.Tensor) -> None:
+        """``got`` arrived on this suite's device, bit for bit equal to ``sent`` (dtype, shape, bytes)."""
+        assert got.device.type == torch.device(self.device).type, f"sent on {sent.device}, received on {got.device}"
+        assert got.dtype == sent.dtype and got.shape == sent.shape
+        assert torch.equal(got.reshape(-1).view(torch.uint8), sent.reshape(-1).view(torch.uint8))
+
     async def test_send_recv_identifies_sender(self, pair: tuple[Transport, Transport]) -> None:
         a, b = pair
-        payload = {"x": torch.randn(4, 16, 8, 8), "meta": {"v": 3, "ids": (1, 2)}, "flag": torch.tensor(True)}
+        x = torch.randn(4, 16, 8, 8, device=self.device)
+        payload = {"x": x, "meta": {"v": 3, "ids": (1, 2)}, "flag": torch.tensor(True, device=self.device)}
         await a.send(b.address, {"op": "step", "policy_version": 3}, payload)
-        msg = await b.recv()
+        msg = await self.recv(b)
         assert msg.src == a.address
         assert msg.header == {"op": "step", "policy_version": 3}
-        assert torch.equal(msg.payload["x"], payload["x"]) and msg.payload["meta"] == {"v": 3, "ids": (1, 2)}
+        self.received(msg.payload["x"], x)
+        self.received(msg.payload["flag"], payload["flag"])
+        assert msg.payload["meta"] == {"v": 3, "ids": (1, 2)}
         await b.send(msg.src, {"op": "reply"})
-        assert (await a.recv()).header == {"op": "reply"}
+        assert (await self.recv(a)).header == {"op": "reply"}
+        assert a.stats["staged"] == 0  # nothing took the host path
 
     async def test_order_kept_per_sender(self, pair: tuple[Transport, Transport]) -> None:
         a, b = pair
@@ -86,30 +115,36 @@ class TransportConformance:
 
             async def blast(t: Transport, tag: str) -> None:
                 for i in range(n):
-                    payload = torch.full((300 if i % 3 else 5,), i) if i % 2 else None
+                    payload = torch.full((300 if i % 3 else 5,), i, device=self.device) if i % 2 else None
                     await t.send(b.address, {"tag": tag, "i": i}, payload)
 
             await asyncio.gather(blast(a, "a"), blast(c, "c"))
             seen: dict[str, list[int]] = {a.address: [], c.address: []}
             for _ in range(2 * n):
-                msg = await b.recv()
+                msg = await self.recv(b)
                 seen[msg.src].append(msg.header["i"])
                 if msg.payload is not None:
-                    assert int(msg.payload[0]) == msg.header["i"]
+                    i = msg.header["i"]
+                    self.received(msg.payload, torch.full((300 if i % 3 else 5,), i, device=self.device))
             assert seen[a.address] == list(range(n)) and seen[c.address] == list(range(n))
+            assert a.stats["staged"] == c.stats["staged"] == 0
         finally:
             await c.aclose()
 
     async def test_big_payload_bit_for_bit(self, pair: tuple[Transport, Transport]) -> None:
         a, b = pair
-        g = torch.Generator().manual_seed(1)
-        big = torch.randint(0, 256, (64 << 20,), dtype=torch.uint8, generator=g)
-        weights = {"w": torch.randn(1024, 1024, generator=g).bfloat16(), "b": torch.randn(3, generator=g)}
+        g = torch.Generator(self.device).manual_seed(1)
+        big = torch.randint(0, 256, (64 << 20,), dtype=torch.uint8, generator=g, device=self.device)
+        weights = {"w": torch.randn(1024, 1024, generator=g, device=self.device).bfloat16(),
+                   "b": torch.randn(3, generator=g, device=self.device)}
         await a.send(b.address, {"op": "big"}, {"blob": big, "sd": weights})
-        msg = await b.recv()
-        assert torch.equal(msg.payload["blob"], big)
-        assert msg.payload["sd"]["w"].dtype == torch.bfloat16
-        assert torch.equal(msg.payload["sd"]["w"].view(torch.int16), weights["w"].view(torch.int16))
+        msg = await self.recv(b)
+        self.received(msg.payload["blob"], big)
+        self.received(msg.payload["sd"]["w"], weights["w"])
+        self.received(msg.payload["sd"]["b"], weights["b"])
+        assert a.stats["staged"] == 0
+        if a.device_direct and big.device.type != "cpu":
+            return  # device memory is handed over, not copied: the sender must not write to it (cuda_ipc.py)
         # The sender may reuse its buffers once send returned: the receiver's copy is its own.
         big.zero_()
         assert int(msg.payload["blob"][:1000].sum()) > 0
@@ -182,7 +217,7 @@ class _ZmqBase(TransportConformance):
 
     async def dying_peer(self) -> tuple[str, Callable[[], Awaitable[None]]]:
         proc = subprocess.Popen([sys.executable, "-c", _CHILD, self.address() or ""], stdout=subprocess.PIPE,
-                                text=True, env={**os.environ, "PYTHONPATH": ""})
+                                text=True, env=child_env())
         line = await asyncio.to_thread(proc.stdout.readline)  # type: ignore[union-attr]
         assert line.startswith("READY"), line
         address = line.split()[1]
@@ -225,10 +260,12 @@ class TestZmqTcp(_ZmqBase):
             return f"tcp://127.0.0.1:{s.getsockname()[1]}"
 
 
-@pytest.mark.gpu
 @gpu_test(1)
 class TestCudaIpc(TransportConformance):
+    """Payloads on the GPU: they must cross by IPC handle (a host-staging fallback fails the test)."""
+
     kind = "cuda_ipc"
+    device = "cuda"
 
     def address(self) -> str:
         return f"ipc://{tempfile.gettempdir()}/digenrl-test-{uuid.uuid4().hex[:12]}.sock"

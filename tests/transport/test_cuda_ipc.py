@@ -13,7 +13,7 @@ import torch
 from digenrl.errors import ProtocolError
 from digenrl.transport import make_transport
 from digenrl.transport.cuda_ipc import ACK, AckBatcher, CudaIpcTransport, IpcLedger, ipc_route
-from tests.conftest import gpu_test
+from tests.conftest import child_env, gpu_test
 from tests.transport.test_zmq import ipc
 
 
@@ -128,7 +128,8 @@ async def test_a_cuda_tensor_goes_by_handle_to_another_process_and_is_released_a
     import sys
 
     address = ipc()
-    child = subprocess.Popen([sys.executable, "-c", _RECEIVER, address], stdout=subprocess.PIPE, text=True)
+    child = subprocess.Popen([sys.executable, "-c", _RECEIVER, address], stdout=subprocess.PIPE, text=True,
+                             env=child_env())  # it imports digenrl: the tests' own, whatever our PYTHONPATH
     a = make_transport("cuda_ipc", ipc())
     assert isinstance(a, CudaIpcTransport)
     try:
