@@ -86,60 +86,49 @@ def _runtime_logs(verbose: bool) -> Iterator[None]:
 def _run(config: Path, set_: list[str] | None, out: Path | None, resume: Path | None) -> None:
     from rich.console import Console
 
-    from digenrl.recipes.colocated import default_out_dir, summarize
+    from digenrl.recipes.colocated import summarize
 
     cfg = _load(config, set_)
-    out_dir = out or (Path(cfg.log.out) if cfg.log.out else default_out_dir())
+    out_dir = _out_dir(cfg, out, resume)
     # Wide enough for the per-iteration metrics even when stderr is not a terminal (logs, CI).
     console = Console(stderr=True, width=max(Console(stderr=True).width, 160))
-    if cfg.disaggregated:
-        history = _run_actors(cfg, out_dir, resume, console)
-    elif resume is not None:
-        typer.secho("--resume needs an actor schedule (schedule.name = disaggregated, gap, tsp, tag or async1); "
-                    "the colocated loop keeps no checkpoints", fg=typer.colors.RED, err=True)
-        raise typer.Exit(2)
-    else:
-        history = _run_colocated(cfg, out_dir, console)
+    history = _run_recipe(cfg, out_dir, resume, console)
     s = summarize(history)
     console.print(f"reward: first {s['window']} iters {s['first']:.4f} -> last {s['window']} {s['last']:.4f} "
-                  f"(gain {s['gain']:+.4f}); outputs in {out_dir}")
+                  f"(gain {s['gain']:+.4f}); outputs in {out_dir}", markup=False)
 
 
-def _run_actors(cfg: Config, out_dir: Path, resume: Path | None,
-                console: Console) -> list[dict[str, Any]]:
+def _out_dir(cfg: Config, out: Path | None, resume: Path | None) -> Path:
+    """``--out``, else the resumed run's own directory (it continues there), else ``log.out`` or a new one."""
+    from digenrl.recipes.checkpoint import find_checkpoint, run_directory
+    from digenrl.recipes.colocated import default_out_dir
+
+    if out is not None:
+        return out
+    if resume is not None:
+        try:
+            return run_directory(find_checkpoint(resume))
+        except ConfigError as exc:
+            typer.secho(f"config error: {exc}", fg=typer.colors.RED, err=True)
+            raise typer.Exit(2) from exc
+    return Path(cfg.log.out) if cfg.log.out else default_out_dir()
+
+
+def _run_recipe(cfg: Config, out_dir: Path, resume: Path | None, console: Console) -> list[dict[str, Any]]:
+    """The colocated loop or the actors, with the live table; a run that stops says why in one line."""
     from dataclasses import replace
 
-    from digenrl.roles.coordinator import RunStopped
+    from rich.markup import escape
+
     from digenrl.recipes.disaggregated import run_disaggregated
+    from digenrl.rewards import RewardError
+    from digenrl.roles.coordinator import RunStopped
 
     try:
         return run_disaggregated(replace(cfg, log=replace(cfg.log, live=True)), out_dir, resume)
-    except (RunStopped, ConfigError) as exc:
-        console.print(f"[red]{type(exc).__name__}:[/red] {exc}")
+    except (RunStopped, ConfigError, RewardError) as exc:  # RewardError: a failing reward, or a spent budget
+        console.print(f"[red]{type(exc).__name__}:[/red] {escape(str(exc))}")
         raise typer.Exit(1) from exc
-
-
-def _run_colocated(cfg: Config, out_dir: Path, console: Console) -> list[dict[str, Any]]:
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    from digenrl.recipes.colocated import train
-    from digenrl.rewards import RewardError
-
-    columns = (TextColumn("[bold]iter"), MofNCompleteColumn(), BarColumn(), TimeElapsedColumn(), TextColumn("{task.fields[info]}"))
-    with Progress(*columns, console=console) as progress:
-        task = progress.add_task("train", total=cfg.train.iterations, info="")
-
-        def show(m: dict[str, float]) -> None:
-            info = (f"reward {m['reward_mean']:.4f}±{m['reward_std']:.4f}  clipfrac {m['clipfrac']:.3f}  "
-                    f"approx_kl {m['approx_kl']:.1e}  kl {m['kl']:.1e}  zero_std {m['zero_std_ratio']:.2f}  "
-                    f"|g| {m['grad_norm']:.2e}  {m['seconds']:.2f}s")
-            progress.update(task, advance=1, info=info)
-
-        try:
-            return train(cfg, out_dir=out_dir, on_iteration=show)
-        except RewardError as exc:  # a failing reward (on_error = "raise", or a spent failure budget)
-            console.print(f"[red]{type(exc).__name__}:[/red] {exc}")
-            raise typer.Exit(1) from exc
 
 
 def validate(

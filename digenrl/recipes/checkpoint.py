@@ -1,4 +1,4 @@
-"""Atomic checkpoints of a disaggregated run, and finding the one to resume from.
+"""Atomic checkpoints of a run (the actors' and the colocated loop's, one format), and finding the one to resume from.
 
 Layout under ``<out>/checkpoints/``::
 
@@ -28,7 +28,7 @@ from typing import Any
 
 from digenrl.errors import ConfigError
 
-__all__ = ["save_checkpoint", "find_checkpoint", "load_state", "REQUIRED_FILES"]
+__all__ = ["save_checkpoint", "write_checkpoint", "find_checkpoint", "run_directory", "load_state", "REQUIRED_FILES"]
 
 REQUIRED_FILES = ("trainable.safetensors", "optimizer.pt", "coordinator.json")
 
@@ -63,12 +63,30 @@ async def save_checkpoint(root: Path, step: int, state: dict[str, Any],
     Returns:
         The checkpoint directory.
     """
+    tmp = _begin(root, step)
+    await write_trainer(tmp)
+    return _commit(root, tmp, step, state, keep)
+
+
+def write_checkpoint(root: Path, step: int, state: dict[str, Any], write_trainer: Callable[[Path], Any],
+                     keep: int = 2) -> Path:
+    """:func:`save_checkpoint` for a trainer in this process (the colocated loop): the same files, the same
+    atomic commit."""
+    tmp = _begin(root, step)
+    write_trainer(tmp)
+    return _commit(root, tmp, step, state, keep)
+
+
+def _begin(root: Path, step: int) -> Path:
     root.mkdir(parents=True, exist_ok=True)
     for stale in root.glob(".tmp-step-*"):
         shutil.rmtree(stale, ignore_errors=True)
     tmp = root / f".tmp-step-{step:06d}-{os.getpid()}"
     tmp.mkdir()
-    await write_trainer(tmp)
+    return tmp
+
+
+def _commit(root: Path, tmp: Path, step: int, state: dict[str, Any], keep: int) -> Path:
     (tmp / "coordinator.json").write_text(json.dumps(state))
     for name in REQUIRED_FILES:
         if not (tmp / name).is_file():
@@ -110,6 +128,11 @@ def find_checkpoint(path: str | Path) -> Path:
     if missing:
         raise ConfigError(f"--resume {str(path)!r}: checkpoint {p} is incomplete, missing {missing}")
     return p
+
+
+def run_directory(checkpoint: Path) -> Path:
+    """The run directory a checkpoint (``<run>/checkpoints/step-*``) belongs to: where a resumed run continues."""
+    return checkpoint.parent.parent
 
 
 def load_state(checkpoint: Path) -> dict[str, Any]:

@@ -6,15 +6,18 @@ One iteration::
     -> decode -> reward -> group advantages (drop zero-std groups)
     -> TSP-packed forward/backward over all trained transitions -> clip grad norm -> AdamW step
 
-It is a library call, ``train(config) -> history``, and the ``digenrl run`` command. It writes
-``metrics.jsonl`` (one JSON object per iteration), ``config.json``, image grids of samples every
-``log.image_every`` iterations and the trained weights, and reports each iteration to a callback (the CLI
-draws a rich progress display from it). Everything is seeded from ``log.seed``: prompts, initial noise,
-transition noise and step windows, so a run is reproducible.
+It is a library call, ``train(config) -> history``, and ``digenrl run ... --set schedule.name=colocated``.
+It writes what an actor run writes: ``metrics.jsonl`` (one JSON object per iteration, the same schema),
+``config.json``, image grids of samples every ``log.image_every`` iterations, checkpoints in the actors'
+format (``--resume`` continues from them), ``trace.json``, ``gantt.png`` and ``summary.json`` of its one
+device's phases (rollout, reward = decode + score, train, optim), the trained weights, and the live
+table. Everything is seeded from ``log.seed`` and the iteration: prompts, initial noise, transition
+noise and step windows, so a run is reproducible and a resumed run continues exactly.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -30,8 +33,9 @@ import torch
 from digenrl.config import Config
 from digenrl.data.prompts import batch_prompts, load_prompts
 from digenrl.models import GeneratorModel, decode_in_chunks, repeat_cond
-from digenrl.models.lora import reference, sampling, save_trainable
-from digenrl.policy import build_model
+from digenrl.models.lora import load_trainable, reference, sampling, save_trainable
+from digenrl.policy import build_model, trained_steps
+from digenrl.recipes.checkpoint import find_checkpoint, load_state, write_checkpoint
 from digenrl.rewards import build_reward
 from digenrl.rewards.base import GuardedReward
 from digenrl.rewards.failures import FailureBudget
@@ -42,13 +46,19 @@ from digenrl.rl.noise import initial_keys, initial_latents, transition_noise
 from digenrl.rl.rollout import TransitionBatch, rollout_steps
 from digenrl.rl.steps import plan_steps
 from digenrl.rl.tsp import packed_backward, parity_recompute
+from digenrl.schedule.base import Device, Role, Workload
+from digenrl.telemetry.live import LiveDisplay
 from digenrl.telemetry.metrics import LOSS_KEYS, MetricsLog, StepMetrics, parity_fields, parity_warning
+from digenrl.telemetry.spans import SpanLog
+from digenrl.telemetry.stats import run_stats
+from digenrl.telemetry.trace import write_artifacts
 
 __all__ = ["ColocatedRun", "setup", "iteration", "train", "default_out_dir", "save_grid", "summarize"]
 
 log = logging.getLogger(__name__)
 
 PARITY_SAMPLE_ROWS = 16  # rows recomputed for train.check_parity where training computes none
+DEVICE = Device("colocated", Role.HYBRID)  # the one device: it samples, scores and trains
 
 
 @dataclass
@@ -66,6 +76,7 @@ class ColocatedRun:
     loss_cfg: LossConfig
     t0: float = 0.0  # time.perf_counter() at the start of the run
     last_end: float = 0.0  # ... at the end of the previous iteration
+    spans: SpanLog | None = None  # every phase of every iteration, as the actors' runs record theirs
 
 
 def default_out_dir() -> Path:
@@ -96,7 +107,7 @@ def setup(cfg: Config) -> ColocatedRun:
         prompts=prompts,
         sigmas=model.sigmas(cfg.rollout.num_steps),
         loss_cfg=LossConfig(clip_range=t.clip_range, kl_beta=t.kl_beta, kl_kind=t.kl),  # type: ignore[arg-type]
-        t0=time.perf_counter(), last_end=time.perf_counter(),
+        t0=time.perf_counter(), last_end=time.perf_counter(), spans=SpanLog(time.time()),
     )
 
 
@@ -152,8 +163,12 @@ def iteration(run: ColocatedRun, it: int) -> tuple[dict[str, Any], torch.Tensor,
     if not len(batch) and tr.check_parity:  # nothing trained: measure parity on a sample of the dropped rows
         sums.append(parity_recompute(model.velocity, res.transitions, cond, PARITY_SAMPLE_ROWS))
     stats = reduce_stats(sums)
+    t_step = time.perf_counter()
     stats["grad_norm"] = _optimizer_step(run, it) if len(batch) else 0.0
     t4 = time.perf_counter()
+    if run.spans is not None:
+        _record(run.spans, it, len(prompts), [("rollout", t0, t1), ("reward", t1, t3), ("train", t3, t_step),
+                                              ("optim", t_step, t4)])
     seconds, run.last_end = t4 - run.last_end, t4
     comps = {} if failed else getattr(run.reward.inner, "last_components", {})
     bubble = max(0.0, 1.0 - (t4 - t0) / seconds)  # the one process idles only between iterations (files)
@@ -172,6 +187,14 @@ def iteration(run: ColocatedRun, it: int) -> tuple[dict[str, Any], torch.Tensor,
     if (warning := parity_warning(line, tr.parity_tolerance)) is not None:
         log.warning(warning)
     return line, images, prompts
+
+
+def _record(spans: SpanLog, it: int, samples: int, phases: list[tuple[str, float, float]]) -> None:
+    """The iteration's phases as spans of the one device (``time.perf_counter`` stamps, made wall-clock)."""
+    offset = time.time() - time.perf_counter()
+    for kind, start, end in phases:
+        spans.add(DEVICE.name, kind, it, 0, it, start + offset, end + offset,
+                  samples=samples if kind in ("rollout", "reward") else 0)
 
 
 def _backward(run: ColocatedRun, batch: TransitionBatch, cond: dict[str, torch.Tensor],
@@ -228,17 +251,25 @@ def train(
     out_dir: str | Path | None = None,
     on_iteration: Callable[[dict[str, Any]], None] | None = None,
     write_files: bool = True,
+    resume: str | Path | None = None,
 ) -> list[dict[str, Any]]:
     """Run ``cfg.train.iterations`` iterations; returns one metrics line per iteration.
+
+    The outputs are an actor run's: ``config.json``, ``metrics.jsonl``, sample grids, checkpoints
+    every ``log.checkpoint_every`` iterations (the actors' format), ``trace.json``, ``gantt.png`` and
+    ``summary.json`` of the one device's phases, and ``log.live``'s table.
 
     Args:
         cfg: the validated config.
         out_dir: where to write outputs (default ``log.out``, else ``runs/<timestamp>``).
         on_iteration: called with each iteration's metrics (progress display).
         write_files: False keeps the run in memory (tests, benchmarks).
+        resume: a run directory, checkpoints directory or ``step-*`` checkpoint: continue from its weights,
+            optimizer state and metrics (every iteration is seeded by its number, so a resumed run logs
+            the metrics of an uninterrupted one).
 
     Raises:
-        ConfigError: invalid settings found while building components.
+        ConfigError: invalid settings found while building components, or a bad checkpoint.
         RewardError: a reward failed and ``reward.on_error = "raise"``.
         RewardFailing: under ``"penalty"``, more than ``reward.max_failure_fraction`` of the samples of
             the last ``reward.failure_window`` iterations failed.
@@ -248,30 +279,85 @@ def train(
         torch.set_num_threads(cfg.placement.threads)
     torch.manual_seed(cfg.log.seed)
     run = setup(cfg)
+    base, history = _resume(run, resume) if resume is not None else (0, [])
+    title = f"digenrl {cfg.schedule.name}"
+    if base >= cfg.train.iterations:  # nothing left to do (and nothing of the finished run is overwritten)
+        if cfg.log.live:
+            LiveDisplay.show(cfg.train.iterations, title, history)
+        return history
     out = Path(out_dir or cfg.log.out or default_out_dir())
     if write_files:
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
         log.info("run: writing to %s", out)
-    history: list[dict[str, Any]] = []
-    every = cfg.log.image_every
-    metrics = MetricsLog(out if write_files else None, cfg.log.tensorboard)
+    metrics = MetricsLog(out if write_files else None, cfg.log.tensorboard, history)
+    live = LiveDisplay(cfg.train.iterations, title, history) if cfg.log.live else None
     try:
-        for it in range(cfg.train.iterations):
-            line, images, _ = iteration(run, it)
-            history.append(line)
-            metrics.write(line)
-            if write_files and every and (it % every == 0 or it == cfg.train.iterations - 1):
-                save_grid(images[: cfg.log.images_per_grid], out / "samples" / f"step_{it:05d}.png",
-                          columns=cfg.rollout.group_size)
-            log.debug("iteration %d: %s", it, line)
-            if on_iteration is not None:
-                on_iteration(line)
+        with live or contextlib.nullcontext():
+            for it in range(base, cfg.train.iterations):
+                line, images, _ = iteration(run, it)
+                history.append(line)
+                metrics.write(line)
+                if live is not None:
+                    live.update(line)
+                if write_files:
+                    _write_outputs(run, out, it, images, history)
+                log.debug("iteration %d: %s", it, line)
+                if on_iteration is not None:
+                    on_iteration(line)
     finally:
         metrics.close()
+        if write_files:
+            _write_timeline(run, out, base)
     if write_files:
         save_trainable(run.model, out / "trainable.safetensors")
     return history
+
+
+def _resume(run: ColocatedRun, path: str | Path) -> tuple[int, list[dict[str, Any]]]:
+    """Load a checkpoint's weights and optimizer state into ``run``; returns its version and metrics."""
+    ckpt = find_checkpoint(path)
+    state = load_state(ckpt)
+    if state.get("schedule", "colocated") != "colocated":
+        log.warning("resuming the colocated loop from a checkpoint of a %r run (%s)", state["schedule"], ckpt)
+    load_trainable(run.model, ckpt / "trainable.safetensors")
+    # A local file this program wrote (never network data), read to the host: a GPU checkpoint resumes anywhere.
+    run.optimizer.load_state_dict(torch.load(ckpt / "optimizer.pt", weights_only=True, map_location="cpu"))
+    version = state["version"]
+    log.info("resuming from %s at version %d", ckpt, version)
+    return version, list(state.get("history", []))[:version]
+
+
+def _write_outputs(run: ColocatedRun, out: Path, it: int, images: torch.Tensor, history: list[dict[str, Any]]) -> None:
+    """Iteration ``it``'s sample grid and checkpoint, when they are due."""
+    lg, last = run.cfg.log, it == run.cfg.train.iterations - 1
+    if lg.image_every and (it % lg.image_every == 0 or last):
+        save_grid(images[: lg.images_per_grid], out / "samples" / f"step_{it:05d}.png",
+                  columns=run.cfg.rollout.group_size)
+    if lg.checkpoint_every and ((it + 1) % lg.checkpoint_every == 0 or last):
+        # The actors' checkpoint: the trainer's files and the coordinator's state (nothing is in flight here).
+        state = {"version": it + 1, "next_batch": it + 1, "seed": lg.seed, "history": history,
+                 "schedule": run.cfg.schedule.name, "in_flight": [], "lost_devices": []}
+        write_checkpoint(out / "checkpoints", it + 1, state, lambda d: _write_trainer(run, d),
+                         keep=lg.keep_checkpoints)
+
+
+def _write_trainer(run: ColocatedRun, directory: Path) -> None:
+    save_trainable(run.model, directory / "trainable.safetensors")
+    torch.save(run.optimizer.state_dict(), directory / "optimizer.pt")
+
+
+def _write_timeline(run: ColocatedRun, out: Path, base: int) -> None:
+    """``trace.json``, ``gantt.png`` and ``summary.json`` of this process's iterations (from ``base`` on)."""
+    if run.spans is None:
+        return
+    cfg, ro = run.cfg, run.cfg.rollout
+    workload = Workload(cfg.train.iterations - base, ro.prompts_per_batch, ro.group_size, ro.num_steps,
+                        trained_steps(cfg))
+    result = run.spans.timeline(cfg.schedule.name, [DEVICE], workload, time.time() - run.spans.t0)
+    write_artifacts(out, result, cfg.log.trace, cfg.log.gantt)
+    (out / "summary.json").write_text(json.dumps({**run_stats(result), "lost_devices": [], "admitted": []},
+                                                 indent=1))
 
 
 def summarize(history: list[dict[str, Any]], window: int = 5) -> dict[str, Any]:

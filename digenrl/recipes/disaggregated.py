@@ -244,14 +244,16 @@ async def arun_disaggregated(cfg: Config, out_dir: str | Path | None = None, res
                             "batch %d is generated with version %d instead of %d, so the metrics after resume differ "
                             "slightly from an uninterrupted %s run", ckpt, PREVIOUS_WEIGHTS, base, base, base - 1,
                             sched.name)
-    if base >= cfg.train.iterations:
+    if base >= cfg.train.iterations:  # a finished run: its table, nothing else
+        if logc.live:
+            LiveDisplay.show(cfg.train.iterations, f"digenrl {sched.name}", history)
         return history
     torch.set_num_threads(1)
     if write_files:
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
     metrics = MetricsLog(out if write_files else None, logc.tensorboard, history)
-    live = LiveDisplay(cfg.train.iterations, f"digenrl {sched.name}") if logc.live else None
+    live = LiveDisplay(cfg.train.iterations, f"digenrl {sched.name}", history) if logc.live else None
     t0 = time.time()
 
     def step_done(m: dict[str, Any]) -> None:
@@ -328,8 +330,8 @@ def run_disaggregated(cfg: Config, out_dir: str | Path | None = None, resume: st
                       write_files: bool = True) -> list[dict[str, Any]]:
     """Run ``cfg.train.iterations`` optimizer steps with ``cfg.schedule.name``; returns the metrics.
 
-    ``colocated`` runs the single-process loop (:func:`digenrl.recipes.colocated.train`); the actor
-    schedules run with ``cfg.placement`` and ``cfg.transport``.
+    ``colocated`` runs the single-process loop (:func:`digenrl.recipes.colocated.train`, the same outputs,
+    checkpoints and resume); the actor schedules run with ``cfg.placement`` and ``cfg.transport``.
 
     Args:
         cfg: the validated run config.
@@ -347,6 +349,7 @@ def run_disaggregated(cfg: Config, out_dir: str | Path | None = None, resume: st
     if not cfg.disaggregated:
         from digenrl.recipes.colocated import train
 
-        return train(cfg, out_dir=out_dir, on_iteration=on_step, write_files=write_files)  # type: ignore[arg-type]
+        return train(cfg, out_dir=out_dir, on_iteration=on_step, write_files=write_files,  # type: ignore[arg-type]
+                     resume=resume)
     return run_loop(arun_disaggregated(cfg, out_dir, resume, cost=cost, on_step=on_step, write_files=write_files),
                     cfg.runtime.event_loop)

@@ -13,12 +13,13 @@ class LiveDisplay:
     Args:
         total: optimizer steps of the run.
         title: the table's title.
+        history: the lines of steps done before (a resumed run shows them as an uninterrupted one would).
     """
 
-    def __init__(self, total: int, title: str) -> None:
+    def __init__(self, total: int, title: str, history: list[dict[str, Any]] | None = None) -> None:
         self.total, self.title = total, title
         self._live: Any = None
-        self._rows: list[dict[str, Any]] = []
+        self._rows: list[dict[str, Any]] = list(history or [])
 
     def __enter__(self) -> LiveDisplay:
         from rich.console import Console
@@ -35,6 +36,12 @@ class LiveDisplay:
             self._live.__exit__(*exc)
             if not self._live.console.is_terminal:  # the last frame ends without a newline there
                 self._live.console.line()
+
+    @classmethod
+    def show(cls, total: int, title: str, history: list[dict[str, Any]]) -> None:
+        """Print the table of ``history`` once (a resumed run that has no step left)."""
+        with cls(total, title, history):
+            pass
 
     def update(self, metrics: dict[str, Any]) -> None:
         """Add one step's line."""
