@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
 
-from digenrl_cli._text import examples
+from digenrl_cli._text import escape, examples, print_error
+
+if TYPE_CHECKING:
+    from rich.console import Console
 
 bench_app = typer.Typer(
     name="bench",
@@ -82,18 +86,19 @@ def bubbles(
         for col in ("name", "kind", "model", "testbed", "batch (prompts x G)", "steps / trained"):
             table.add_column(col)
         for s in SCENARIOS.values():
-            table.add_row(s.name, s.kind, profile(s.model).name, s.testbed, f"{s.prompts} x {s.group_size}",
-                          f"{s.num_steps} / {s.trained_steps}")
+            table.add_row(escape(s.name), escape(s.kind), escape(profile(s.model).name), escape(s.testbed),
+                          f"{s.prompts} x {s.group_size}", f"{s.num_steps} / {s.trained_steps}")
         console.print(table)
-        console.print("schedules: " + ", ".join(SCHEDULES))
-        console.print("peers (modelled baselines): " + "; ".join(f"{p.name} = {p.system}" for p in PEERS.values()))
+        console.print("schedules: " + escape(", ".join(SCHEDULES)))
+        peers = "; ".join(f"{p.name} = {p.system}" for p in PEERS.values())
+        console.print(f"peers (modelled baselines): {escape(peers)}")
         return
     try:
         planned = _planned(scenario or None, batches, console) if plan else None
         report = run_bubbles(scenario or None, schedule or None, batches, out, decomposition=decomposition,
                              planned=planned)
     except ConfigError as exc:
-        console.print(f"[red]error:[/red] {exc}")
+        print_error(console, exc, "error")
         raise typer.Exit(2) from exc
     table = Table(title=f"digenrl bench bubbles ({batches} batches, steady window: warm-up batch excluded)")
     for col in ("scenario", "split R/T", "schedule", "samples/s", "speedup", "bound", "bubble roll", "bubble train",
@@ -106,7 +111,8 @@ def bubbles(
         split_s += "*" if r.get("planned") else ""
         b = r["bubble_ratio"]
         bound = r["speedup_bound"]
-        table.add_row(r["scenario"], split_s, r["schedule"], f"{r['samples_per_s']:.3f}", f"{r['speedup_vs_colocated']:.2f}x",
+        table.add_row(escape(r["scenario"]), split_s, escape(r["schedule"]), f"{r['samples_per_s']:.3f}",
+                      f"{r['speedup_vs_colocated']:.2f}x",
                       f"{bound:.2f}x" if bound else "-", f"{b['rollout']:.1%}", f"{b['trainer']:.1%}", f"{b['overall']:.1%}",
                       str(r["max_staleness"]), f"{r['weight_sync_share']:.2%}", f"{r['switch_share']:.2%}",
                       f"{r['aborted_share']:.1%}")
@@ -114,7 +120,7 @@ def bubbles(
     for r in report.rows:
         if len(r["bubble_by_pool"]) > 1:
             pools = ", ".join(f"{t} {b:.1%}" for t, b in r["bubble_by_pool"].items())
-            console.print(f"{r['scenario']} {r['schedule']}: bubble per pool {pools}")
+            console.print(escape(f"{r['scenario']} {r['schedule']}: bubble per pool {pools}"))
     if report.decomposition:
         console.print(_decomposition_table(report.decomposition))
     cal = report.calibration
@@ -122,10 +128,10 @@ def bubbles(
                   f"mfu_train={cal['mfu_train']:.3f}, mfu_reward={cal['mfu_reward']:.4f}; the colocated baseline also "
                   f"recomputes old log-probs ({cal['old_logprob_passes']:g} forward/row)")
     for path in report.files[:1]:
-        console.print(f"wrote {path} and {len(report.files) - 1} trace/Gantt files")
+        console.print(f"wrote {escape(path)} and {len(report.files) - 1} trace/Gantt files")
 
 
-def _planned(names: list[str] | None, batches: int, console: object) -> dict:
+def _planned(names: list[str] | None, batches: int, console: Console) -> dict:
     """Scenario -> the split `digenrl plan --fleet` chooses for it; a scenario it refuses keeps its fixed split."""
     import time
 
@@ -143,11 +149,12 @@ def _planned(names: list[str] | None, batches: int, console: object) -> dict:
         try:
             split, result = plan_scenario(sc, pools, final_batches=batches)
         except ConfigError as exc:
-            console.print(f"[yellow]plan {sc.name}: no placement fits ({exc}); its rows keep the fixed split[/yellow]")
+            console.print(f"[yellow]plan {escape(sc.name)}: no placement fits ({escape(exc)}); its rows keep the fixed "
+                          "split[/yellow]")
             continue
         planned[sc.name] = split
-        console.print(f"plan {sc.name}: {result.best.split}, {dict(split.options)} "
-                      f"({result.simulations} simulations, {time.perf_counter() - start:.1f} s)")
+        console.print(escape(f"plan {sc.name}: {result.best.split}, {dict(split.options)} "
+                             f"({result.simulations} simulations, {time.perf_counter() - start:.1f} s)"))
     return planned
 
 
@@ -162,7 +169,7 @@ def _decomposition_table(decomposition: dict) -> object:
     for name, chains in decomposition.items():
         for baseline, chain in chains.items():
             causes = "; ".join(f"{link['cause']} {link['factor']:.2f}x" for link in chain["links"][1:])
-            table.add_row(name, baseline, f"{chain['total']:.2f}x", causes)
+            table.add_row(escape(name), escape(baseline), f"{chain['total']:.2f}x", escape(causes))
     return table
 
 
@@ -179,7 +186,7 @@ def _real(schedules: list[str] | None, batches: int, out: Path | None, repeats: 
         report = run_real_bubbles(schedules, batches, out, config=config or DEFAULT_CONFIG, overrides=overrides,
                                   repeats=repeats)
     except ConfigError as exc:
-        console.print(f"[red]error:[/red] {exc}")
+        print_error(console, exc, "error")
         raise typer.Exit(2) from exc
     table = Table(title=f"digenrl bench bubbles --real (tiny Qwen-Image on this machine, {batches} batches, "
                         f"median of {repeats}; warm-up batch excluded)")
@@ -190,9 +197,9 @@ def _real(schedules: list[str] | None, batches: int, out: Path | None, repeats: 
         actors = " ".join(f"{k} {v:.0%}" for k, v in sorted(r["bubble_per_actor"].items()))
         speedup, sim, err = r["speedup_vs_colocated"], r["sim_samples_per_s"], r["sim_error"]
         plan_err, held = r.get("sim_error_plan_costs"), r.get("sim_error_held_out")
-        table.add_row(r["scenario"], r["schedule"], f"{r['samples_per_s']:.1f}",
+        table.add_row(escape(r["scenario"]), escape(r["schedule"]), f"{r['samples_per_s']:.1f}",
                       f"{speedup:.2f}x" if speedup else "-",
-                      f"{r['vs_ceiling']:.2f}" if r.get("vs_ceiling") is not None else "-", actors,
+                      f"{r['vs_ceiling']:.2f}" if r.get("vs_ceiling") is not None else "-", escape(actors),
                       str(r["max_staleness"]),
                       f"{sim:.1f}" if sim else "-", f"{err:+.0%}" if err is not None else "-",
                       f"{plan_err:+.1%}" if plan_err is not None else "-", f"{held:+.1%}" if held is not None else "-")
@@ -212,9 +219,10 @@ def _real(schedules: list[str] | None, batches: int, out: Path | None, repeats: 
     mix = cal.get("contention", {}).get("mix")
     if mix:
         console.print("contention per running-kind mix (fitted to the actor runs; each busy process's factor): "
-                      + ", ".join(f"{k} {f:.2f}x" for k, f in mix.items()))
+                      + escape(", ".join(f"{k} {f:.2f}x" for k, f in mix.items())))
     if out is not None:
-        console.print(f"wrote {out / 'bubbles.json'} and per-run traces, metrics and Gantt charts under {out}")
+        console.print(f"wrote {escape(out / 'bubbles.json')} and per-run traces, metrics and Gantt charts under "
+                      f"{escape(out)}")
 
 
 def register(app: typer.Typer) -> None:

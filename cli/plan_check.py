@@ -30,6 +30,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from digenrl_cli._text import escape, print_error
+
 from digenrl.config import load_config
 from digenrl.errors import ConfigError
 from digenrl.recipes.bench_real import DEFAULT_CONFIG, _load, run_actors, run_real_bubbles
@@ -166,38 +168,42 @@ def main(config: Path | None, overrides: list[str], num_batches: int, repeats: i
     try:
         report = run_plan_check(config or DEFAULT_CONFIG, overrides, num_batches, repeats, top, out, costs)
     except ConfigError as exc:
-        console.print(f"[red]error:[/red] {exc}")
+        print_error(console, exc, "error")
         raise typer.Exit(2) from exc
-    table = Table(title=f"digenrl bench bubbles --real --plan-check ({report['fleet']}, {num_batches} batches, median "
-                        f"of {repeats}; tolerance {report['tolerance']:.1%} = the simulator's measured error)")
-    for col in ("rank", "placement", "tag_steps", "frag_groups", "predicted", "measured", "runs", "sim error"):
+    table = Table(title=escape(f"digenrl bench bubbles --real --plan-check ({report['fleet']}, {num_batches} batches, "
+                               f"median of {repeats}; tolerance {report['tolerance']:.1%} = the simulator's measured "
+                               "error)"))
+    for col in ("rank", "placement", "tag_steps", "frag_groups", "predicted samples/s", "measured samples/s",
+                "samples/s per round", "sim error"):
         table.add_column(col, justify="left" if col == "placement" else "right")
     for i, r in enumerate(report["candidates"]):
         mark = " *" if i == report["measured_best"] else ""
-        table.add_row(str(r["planner_rank"]), r["split"] + (" (shipped)" if r["shipped"] else ""), str(r["tag_steps"]),
+        split = escape(r["split"] + (" (shipped)" if r["shipped"] else ""))
+        table.add_row(str(r["planner_rank"]), split, str(r["tag_steps"]),
                       str(r["fragment_groups"]), f"{r['predicted_samples_per_s']:.1f}",
                       f"{r['measured_samples_per_s']:.1f}{mark}", " ".join(f"{v:.0f}" for v in r["samples_per_s_runs"]),
                       f"{r['sim_error']:+.1%}" if r["sim_error"] is not None else "-")
     console.print(table)
     for note in report["plan"]["notes"]:
-        console.print(f"note: {note}")
+        console.print(f"note: {escape(note)}")
     best = report["candidates"][report["measured_best"]]
     first = report["candidates"][0]
-    ratio = (f"the first choice measured {report['first_vs_best']:.3f}x the best placement ({best['split']}, tag_steps "
-             f"{best['tag_steps']}, fragment_groups {best['fragment_groups']})")
+    ratio = escape(f"the first choice measured {report['first_vs_best']:.3f}x the best placement ({best['split']}, "
+                   f"tag_steps {best['tag_steps']}, fragment_groups {best['fragment_groups']})")
+    first_split, best_split = escape(first["split"]), escape(best["split"])
     if report["agrees_exactly"]:
-        console.print(f"[green]agrees[/green]: the planner's first choice ({first['split']}, tag_steps "
+        console.print(f"[green]agrees[/green]: the planner's first choice ({first_split}, tag_steps "
                       f"{first['tag_steps']}) is the measured best")
     elif report["agrees"]:
-        console.print(f"[green]agrees[/green] on the split ({first['split']}): {ratio}")
+        console.print(f"[green]agrees[/green] on the split ({first_split}): {ratio}")
     elif not report["separated"]:
-        console.print(f"[yellow]within noise[/yellow]: the best split measured is {best['split']}, but it beat the "
+        console.print(f"[yellow]within noise[/yellow]: the best split measured is {best_split}, but it beat the "
                       f"first choice in {report['best_wins_rounds']} of {repeats} rounds (sign test p = "
                       f"{report['sign_test_p']:.2f}, not < 0.05); {ratio}")
     else:
-        console.print(f"[red]disagrees[/red]: the best split measured is {best['split']}, faster in "
+        console.print(f"[red]disagrees[/red]: the best split measured is {best_split}, faster in "
                       f"{report['best_wins_rounds']} of {repeats} rounds (sign test p = {report['sign_test_p']:.3f}); {ratio}")
     if out is not None:
-        console.print(f"wrote {out / 'plan-check.json'}")
+        console.print(f"wrote {escape(out / 'plan-check.json')}")
     if not report["agrees"] and report["separated"]:
         raise typer.Exit(1)

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from digenrl_cli._text import examples
+from digenrl_cli._text import examples, print_error
 
 from digenrl.errors import ConfigError
 
@@ -22,19 +22,16 @@ if TYPE_CHECKING:
 _SET_HELP = "Override a config value, e.g. --set train.lr=1e-3 (repeatable; values are TOML literals)."
 
 
-def _load(config: Path, overrides: list[str] | None, validate_only: bool = False) -> Config:
-    from digenrl.config import check_runnable, load_config
-    from digenrl.transport.hosts import check_bind_address
+def _load(config: Path, overrides: list[str] | None) -> Config:
+    """The config, checked as `run` checks it before anything starts (`validate` and `run` alike)."""
+    from digenrl.config import load_config
+    from digenrl.plan.memory import check_memory
+    from digenrl.recipes.preflight import preflight
 
     try:
         cfg = load_config(config, overrides or [])
-        if not validate_only:
-            from digenrl.plan.memory import check_memory
-
-            check_runnable(cfg)
-            check_memory(cfg)  # before anything is spawned: every role must fit its device
-        if cfg.disaggregated:
-            check_bind_address(cfg.transport.address, "transport.address")
+        preflight(cfg)  # this host, the transport and its keys, Ray, model.init, reward.url
+        check_memory(cfg)  # every role fits its device
         return cfg
     except ConfigError as exc:
         typer.secho(f"config error: {exc}", fg=typer.colors.RED, err=True)
@@ -118,8 +115,7 @@ def _run_recipe(cfg: Config, out_dir: Path, resume: Path | None, console: Consol
     """The colocated loop or the actors, with the live table; a run that stops says why in one line."""
     from dataclasses import replace
 
-    from rich.markup import escape
-
+    from digenrl.errors import RemoteError
     from digenrl.recipes.disaggregated import run_disaggregated
     from digenrl.rewards import RewardError
     from digenrl.roles.coordinator import RunStopped
@@ -127,17 +123,26 @@ def _run_recipe(cfg: Config, out_dir: Path, resume: Path | None, console: Consol
     try:
         return run_disaggregated(replace(cfg, log=replace(cfg.log, live=True)), out_dir, resume)
     except (RunStopped, ConfigError, RewardError) as exc:  # RewardError: a failing reward, or a spent budget
-        console.print(f"[red]{type(exc).__name__}:[/red] {escape(str(exc))}")
+        print_error(console, exc)
         raise typer.Exit(1) from exc
+    except RemoteError as exc:  # a reward that failed inside an actor (reward.on_error = "raise"): its line
+        if exc.exc_type.rsplit(".", 1)[-1] not in _REWARD_ERRORS:
+            raise
+        print_error(console, exc.message, exc.exc_type.rsplit(".", 1)[-1])
+        raise typer.Exit(1) from exc
+
+
+_REWARD_ERRORS = ("RewardError", "RewardFailing")
 
 
 def validate(
     config: Annotated[Path, typer.Argument(help="A TOML config.")],
     set_: Annotated[list[str] | None, typer.Option("--set", help=_SET_HELP)] = None,
 ) -> None:
-    """Check a config (keys, types, allowed values, and that this host can bind transport.address)
-    without building anything."""
-    cfg = _load(config, set_, validate_only=True)
+    """Check a config as `digenrl run` does before it starts anything: keys, types and allowed values,
+    then what run would refuse (digenrl.recipes.preflight): this host's device and weights, the bind
+    address, CURVE keys, Ray, model.init, reward.url, and the memory plan."""
+    cfg = _load(config, set_)
     typer.echo(f"{config}: ok ({cfg.model.name}/{cfg.model.preset}, reward {dict(cfg.reward.weights)}, "
                f"{cfg.train.iterations} iterations, schedule {cfg.schedule.name})")
 

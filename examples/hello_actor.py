@@ -1,4 +1,4 @@
-"""A user-defined actor called across two processes. Run: python examples/hello_actor.py"""
+"""A user-defined actor called across two processes. Run: .venv/bin/python examples/hello_actor.py"""
 
 import asyncio
 import os
@@ -7,7 +7,7 @@ from digenrl.actors import Actor, ActorSystem, endpoint
 
 
 class Greeter(Actor):
-    async def setup(self) -> None:
+    async def setup(self) -> None:  # heavy init; its errors reach the spawner
         self.greeted = 0
 
     @endpoint
@@ -17,11 +17,13 @@ class Greeter(Actor):
 
 
 async def main() -> None:
-    async with ActorSystem() as system:
+    async with ActorSystem() as system:  # owns processes, sockets and supervision
         greeter = await system.spawn(Greeter, name="greeter", process=True)
         print(await greeter.greet.call("world"), f"(driver pid {os.getpid()})")
         print(await greeter.greet.call("again"))
 
 
+# The actor's process loads this file again (as __digenrl_main__) to find Greeter; the guard keeps it from
+# running main() too.
 if __name__ == "__main__":
     asyncio.run(main())
