@@ -482,7 +482,7 @@ class LogConfig:
     image_every: int = 10  # 0 disables image grids
     images_per_grid: int = 16
     seed: int = 0  # run seed: prompts, noise, step windows
-    checkpoint_every: int = 1  # optimizer steps between checkpoints (actor runs); 0 disables them
+    checkpoint_every: int = 1  # optimizer steps between checkpoints (every schedule); 0 disables them
     keep_checkpoints: int = 2
     trace: bool = True  # trace.json (Chrome/Perfetto spans of every actor)
     gantt: bool = True  # gantt.png

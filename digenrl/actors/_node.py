@@ -173,8 +173,13 @@ class Node:
         for p in failed:
             if not p.future.done():
                 p.future.set_exception(ActorDied(p.actor, reason))
-        # A peer that leaves with nothing pending, or that was asked to leave, is news, not a problem.
-        level = logging.WARNING if failed and address not in self.leaving else logging.INFO
+        # A peer that leaves with nothing pending is news, not a problem. One we asked to leave ends a
+        # shutdown in order, even when its disconnect beats its reply to "shutdown": not news either
+        # (whoever still waited on it gets ActorDied).
+        if address in self.leaving:
+            level = logging.DEBUG
+        else:
+            level = logging.WARNING if failed else logging.INFO
         log.log(level, "node %s: peer %s is dead (%s); failed %d pending call(s)%s", self.name, address, reason,
                 len(failed), "".join(f" {p.actor}.{p.method}" for p in failed))
 

@@ -41,6 +41,7 @@ from digenrl.data.prompts import load_prompts
 from digenrl.errors import ConfigError
 from digenrl.recipes.checkpoint import find_checkpoint, load_state, save_checkpoint
 from digenrl.recipes.late_rollout import LateRollouts
+from digenrl.recipes.preflight import cluster_keys, preflight
 from digenrl.roles.coordinator import Coordinator, RunStopped
 from digenrl.roles.reward import RewardActor
 from digenrl.roles.rollout import RolloutActor
@@ -54,8 +55,6 @@ from digenrl.telemetry.spans import Timeline
 from digenrl.telemetry.stats import run_stats
 from digenrl.telemetry.trace import write_artifacts
 from digenrl.transport.communicator import COMM_KINDS
-from digenrl.transport.curve import ClusterKeys, load_keys
-from digenrl.transport.hosts import check_bind_address
 
 __all__ = ["run_disaggregated", "arun_disaggregated", "tiny_cpu_cost", "Cluster", "start_cluster", "actor_plan"]
 
@@ -94,15 +93,6 @@ def _on_gpu(conf: dict[str, Any], k: int) -> dict[str, Any]:
     if device != "cuda" or not torch.cuda.is_available():
         return conf
     return {**conf, "model": {**conf["model"], "device": f"cuda:{k % torch.cuda.device_count()}"}}
-
-
-def cluster_keys(cfg: Config) -> ClusterKeys | None:
-    """The run's CURVE keys (``transport.keys``), or None; without them no endpoint may bind off loopback.
-
-    Raises:
-        ConfigError: the keys cannot be read (the message says how to create them).
-    """
-    return load_keys(Path(cfg.transport.keys).expanduser()) if cfg.transport.keys else None
 
 
 def _staleness(cfg: Config) -> int:
@@ -226,7 +216,9 @@ async def arun_disaggregated(cfg: Config, out_dir: str | Path | None = None, res
         raise ConfigError(f"schedule.name = {cfg.schedule.name!r} runs the single-process loop; the actor recipe "
                           f"needs one of {', '.join(ACTOR_SCHEDULES)} (run_disaggregated runs both)")
     sched, place, transport, logc = cfg.schedule, cfg.placement, cfg.transport, cfg.log
-    check_bind_address(transport.address, "transport.address")  # before any checkpoint is read or process started
+    # What `digenrl validate` checks too, before any checkpoint is read or process started (the CLI has run it
+    # already; library callers get the same refusals here instead of a remote traceback).
+    preflight(cfg)
     out = Path(out_dir or cfg.log.out or default_out_dir())
     base, history, ckpt = 0, [], None
     options: dict[str, Any] = dict(cfg.schedule_options)

@@ -55,7 +55,7 @@ from digenrl.errors import ConfigError
 from digenrl.schedule.base import Role
 from digenrl.transport.curve import is_loopback
 
-__all__ = ["Bundle", "RayLauncher", "WorkerHost", "host_actor_name", "plan_bundles"]
+__all__ = ["Bundle", "RayLauncher", "WorkerHost", "check_ray", "host_actor_name", "plan_bundles"]
 
 log = logging.getLogger(__name__)
 
@@ -107,6 +107,23 @@ def host_actor_name(actor: str) -> str:
 LOOPBACK_ONLY_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 
 
+_RAY_MISSING = f"cluster.launcher = 'ray' needs Ray, which is not installed; {RAY_HINT}"
+
+
+def check_ray() -> None:
+    """Refuse ``cluster.launcher = "ray"`` at once where Ray is not installed (``digenrl validate`` and run).
+
+    Ray is found, not imported: importing it reads the switches :func:`_import_ray` sets first.
+
+    Raises:
+        ConfigError: the launcher's own missing-Ray error.
+    """
+    import importlib.util
+
+    if importlib.util.find_spec("ray") is None:
+        raise ConfigError(_RAY_MISSING)
+
+
 def _import_ray(loopback_only: bool = False) -> Any:
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # nothing phones home unless the user asks
     if loopback_only:  # a private Ray for this run alone: nothing of it listens off loopback
@@ -114,7 +131,7 @@ def _import_ray(loopback_only: bool = False) -> Any:
     try:
         import ray
     except ImportError:
-        raise ConfigError(f"cluster.launcher = 'ray' needs Ray, which is not installed; {RAY_HINT}") from None
+        raise ConfigError(_RAY_MISSING) from None
     return ray
 
 

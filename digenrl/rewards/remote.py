@@ -81,6 +81,19 @@ class RemoteReward:
         except (TypeError, ValueError) as exc:
             raise RewardError(f"{self._who}: non-numeric scores {scores[:8]}") from exc
 
+    def probe(self) -> None:
+        """Check that ``url`` answers on a scoring path, without scoring anything (run at start-up).
+
+        POSTs an empty batch, with the retries of :meth:`score`. Any HTTP answer but 404 counts: the
+        path serves (digenrl's server refuses an empty batch with 400 before any reward runs).
+
+        Raises:
+            RewardError: the message :meth:`score` would raise for this URL: nothing answers after
+                the retries, or HTTP 404 (no scoring endpoint on that path).
+        """
+        body = {"prompts": [], "images": encode_images(torch.zeros(0, 3, 1, 1), "png")}
+        self._post(json.dumps(body).encode(), probe=True)
+
     @property
     def _who(self) -> str:
         return f"reward {self.name!r} at {self.url}"
@@ -90,7 +103,7 @@ class RemoteReward:
         parts = urlsplit(self.url)
         return urlunsplit((parts.scheme, parts.netloc, "/score", "", ""))
 
-    def _post(self, body: bytes) -> object:
+    def _post(self, body: bytes, probe: bool = False) -> object:
         delay = self.backoff
         last = "no attempt"
         for attempt in range(self.retries + 1):
@@ -104,6 +117,8 @@ class RemoteReward:
                     raise RewardError(f"{self._who}: HTTP 404 ({detail}): no scoring endpoint there; set reward.url "
                                       f"to the URL the reward server prints (`python -m digenrl.rewards.server` "
                                       f"scores on {self._scoring_url()})") from exc
+                if probe:  # the path serves: it answered, whatever it thought of an empty batch
+                    return None
                 if exc.code < 500:
                     raise RewardError(f"{self._who}: HTTP {exc.code}: {detail}") from exc
                 last = f"HTTP {exc.code}: {detail}"

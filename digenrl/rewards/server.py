@@ -21,7 +21,6 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from digenrl.errors import DigenrlError
 from digenrl.rewards._wire import decode_images
 from digenrl.rewards.base import Reward, RewardError
 
@@ -110,7 +109,7 @@ class RewardServer:
                     scores = server._score(payload)
                 except RewardError as exc:
                     return self._reply(400, {"error": str(exc)})
-                except (DigenrlError, RuntimeError, ValueError) as exc:
+                except Exception as exc:  # any failure of the reward is a 500, never a dropped connection
                     log.exception("reward failed")
                     return self._reply(500, {"error": f"{type(exc).__name__}: {exc}"})
                 self._reply(200, {"scores": scores})

@@ -12,6 +12,10 @@ handshake, and ZeroMQ's ZAP handler (pyzmq's ``zmq.auth.ThreadAuthenticator``) t
 allowed client public keys; a peer that fails either check never gets a message through, and the
 endpoint counts it in ``stats["auth_failed"]``. Over ``tcp://`` off loopback an endpoint without
 keys refuses to start (:func:`require_keys`).
+
+Only ZAP learns a refused peer's address (the IP in its request); ZeroMQ's socket monitor reports
+the endpoint's own. So the ZAP handler logs the key refusals with the peer's IP, and a peer that
+fails earlier (no keys, or another cluster's server key: ZAP is never asked) is logged without one.
 """
 
 from __future__ import annotations
@@ -133,35 +137,29 @@ def is_loopback(address: str) -> bool:
         return False
 
 
-def require_keys(address: str, keys: ClusterKeys | None) -> None:
+def require_keys(address: str, keys: ClusterKeys | None, key: str | None = None) -> None:
     """Refuse an endpoint reachable from other hosts that has no keys.
+
+    ``key``: the config key that holds ``address`` (e.g. ``transport.address``), named first in the error.
 
     Raises:
         ConfigError: ``address`` is a ``tcp://`` address off loopback and ``keys`` is None.
     """
     if keys is None and not is_loopback(address):
-        raise ConfigError(f"{address} is reachable from other hosts, and an endpoint there must authenticate its "
+        where = f"{key} = {address!r}" if key else address
+        raise ConfigError(f"{where} is reachable from other hosts, and an endpoint there must authenticate its "
                           f"peers (ZeroMQ CURVE): {_keys_hint('PATH')} (or `digenrl worker --keys PATH`)")
-
-
-class _Admit:
-    """The ZAP credentials provider: admits the cluster's client keys (the transport counts refusals)."""
-
-    def __init__(self, allowed: frozenset[bytes]) -> None:
-        self.allowed = allowed
-
-    def callback(self, domain: str, key: bytes) -> bool:
-        return key in self.allowed
 
 
 def start_authenticator(ctx: Any, keys: ClusterKeys) -> Any:
     """Start the ZAP handler of ``ctx`` admitting ``keys.allowed_clients``; returns it (``.stop()`` it).
 
-    Must run before a CURVE server socket of ``ctx`` binds (ZeroMQ admits everyone without one).
+    Must run before a CURVE server socket of ``ctx`` binds (ZeroMQ admits everyone without one). Set
+    its ``endpoint`` to the socket's address once bound: its refusal log lines name it.
     """
-    from zmq.auth.thread import ThreadAuthenticator
+    from digenrl.transport._zap import ClusterAuthenticator  # pyzmq: imported only where CURVE is on
 
-    auth = ThreadAuthenticator(ctx)
+    auth = ClusterAuthenticator(ctx, keys.allowed_clients)
     auth.start()
-    auth.configure_curve_callback("*", credentials_provider=_Admit(keys.allowed_clients))
+    auth.configure_curve_callback("*", credentials_provider=auth)
     return auth

@@ -248,6 +248,8 @@ class ZmqTransport(Transport):
             bound = self._router.getsockopt_string(zmq.LAST_ENDPOINT)
             # A wildcard bind (tcp://0.0.0.0:0) is not an address peers can dial: advertise one.
             self._address = _advertised(advertise, bound)
+            if self._res.auth is not None:
+                self._res.auth.endpoint = self._address  # named in its refusal lines
             if bound.startswith("ipc://"):
                 self._res.ipc_path = bound[len("ipc://"):]
             self._ident = self._address.encode()
@@ -285,14 +287,19 @@ class ZmqTransport(Transport):
                                                         name=f"zmq-auth {self._address}"))
 
     async def _count_auth_failures(self, monitor: zmq.asyncio.Socket) -> None:
-        """Count the peers whose CURVE handshake failed (ZeroMQ already dropped them)."""
+        """Count the peers whose CURVE handshake failed (ZeroMQ already dropped them), and say why.
+
+        The event's endpoint is this socket's own address, never the peer's: a refused client key is
+        logged by the ZAP handler with the peer's IP; a peer that fails before ZAP is asked has none.
+        """
         while True:
             evt = parse_monitor_message(await monitor.recv_multipart())
             if evt["event"] == zmq.EVENT_MONITOR_STOPPED:
                 return
             self.stats["auth_failed"] += 1
-            log.warning("zmq endpoint %s refused a peer at %s: CURVE handshake failed (no or wrong keys)",
-                        self._address, evt["endpoint"].decode(errors="replace"))
+            if evt["event"] != zmq.EVENT_HANDSHAKE_FAILED_AUTH:  # (the ZAP handler logs those, with the IP)
+                log.warning("zmq endpoint %s refused a peer %s; ZeroMQ reports no address for a peer it drops "
+                            "before the key check", self._address, _handshake_failure(evt["value"]))
 
     @property
     def address(self) -> str:
@@ -435,8 +442,10 @@ class ZmqTransport(Transport):
             return
         peer.broken = err
         peer.connected.set()  # wake a first send waiting for the handshake
-        # Info, not warning: a peer that shut down cleanly also ends here; callers judge.
-        log.info("zmq peer %s is broken: %s", peer.dst, err)
+        # Debug: ZeroMQ sees the same disconnect whether the peer closed in order or died. The listeners
+        # know which (the node fails calls pending on it, the worker and the system judge their links)
+        # and report real breaks; an orderly shutdown must read as one.
+        log.debug("zmq peer %s is broken: %s", peer.dst, err)
         # Dropping queued messages also releases any zero-copy frames a send is tracking.
         peer.sock.close(linger=0)
         if peer.pool is not None:
@@ -561,6 +570,15 @@ class ZmqTransport(Transport):
 
     def __repr__(self) -> str:
         return f"ZmqTransport({self._address!r}{', closed' if self._closed else ''})"
+
+
+def _handshake_failure(code: int) -> str:
+    """What a CURVE handshake failure's protocol error code says about the peer."""
+    if code == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH:
+        return "without CURVE keys (a worker joins with --keys, the run's transport.keys directory)"
+    if code == zmq.PROTOCOL_ERROR_ZMTP_CRYPTOGRAPHIC:
+        return "holding another cluster's keys (its server key is not this one's)"
+    return "whose CURVE handshake failed (no or wrong keys)"
 
 
 def _send_now(sock: zmq.Socket[Any], frames: list[Any]) -> bool:

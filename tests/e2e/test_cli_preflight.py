@@ -1,13 +1,23 @@
-"""`digenrl run` on a machine that cannot run the config fails at once, before any process starts."""
+"""`digenrl run` on a machine that cannot run the config fails at once, before any process starts, and
+`digenrl validate` refuses exactly what run would (the same checks, the same line)."""
 
 from __future__ import annotations
 
+import importlib.util
+import os
 import socket
+import sys
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
 from typer.testing import CliRunner
 
+from digenrl.config import load_config
+from digenrl.rewards import make_reward
+from digenrl.rewards.server import RewardServer
+from digenrl.transport.curve import create_keys
 from digenrl.transport.hosts import interface_addresses
 from digenrl_cli.main import app
 
@@ -15,9 +25,10 @@ REAL_CONFIGS = ["configs/qwenimage.toml", "configs/flux.toml", "configs/wan21.to
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only message")
+@pytest.mark.parametrize("command", ["run", "validate"])
 @pytest.mark.parametrize("config", REAL_CONFIGS)
-def test_real_model_configs_fail_fast_without_gpu_pointing_to_tiny(config: str) -> None:
-    result = CliRunner().invoke(app, ["run", config])
+def test_real_model_configs_fail_fast_without_gpu_pointing_to_tiny(config: str, command: str) -> None:
+    result = CliRunner().invoke(app, [command, config])
     assert result.exit_code == 2
     assert "model.device" in result.output and "no CUDA device" in result.output
     assert "configs/tiny-qwenimage.toml" in result.output
@@ -35,17 +46,51 @@ def test_missing_weights_directory_is_named(config: str, tmp_path) -> None:
 PLACEHOLDER_CONFIGS = ["configs/wan21.toml", "configs/hunyuanvideo.toml"]
 
 
+@pytest.fixture(scope="module")
+def reward_server() -> Iterator[RewardServer]:
+    """A reward service on a loopback port, as `python -m digenrl.rewards.server` serves one."""
+    with RewardServer(make_reward("jpeg_compressibility")) as server:
+        yield server
+
+
+@pytest.fixture
+def reward_url(reward_server: RewardServer) -> str:
+    return reward_server.url
+
+
+def _ready(config: str, tmp_path: Path, reward_url: str, *, address: bool = True) -> list[str]:
+    """``--set`` arguments giving this host what ``config`` needs from the machine it runs on (validate,
+    like run, checks them): a weights directory, CURVE keys, the reward service, node 0's address, and
+    on a CPU-only machine the Ray launcher (Ray places the actors on GPU nodes; the driver needs none)."""
+    cfg = load_config(config)
+    sets: list[str] = []
+    if cfg.model.preset == "pretrained":
+        (tmp_path / "weights").mkdir()
+        (tmp_path / "weights" / "model_index.json").write_text("{}")
+        sets.append(f"model.path='{tmp_path / 'weights'}'")
+    if cfg.model.device.startswith("cuda") and not torch.cuda.is_available():
+        if importlib.util.find_spec("ray") is None:
+            pytest.skip("neither a GPU nor Ray here: this config cannot run on this machine")
+        sets += ["cluster.launcher=ray", "placement.workers=0"]
+    if cfg.transport.keys:
+        sets.append(f"transport.keys='{create_keys(tmp_path / 'keys')}'")
+    if "remote" in cfg.reward.weights:
+        sets.append(f"reward.url='{reward_url}'")
+    if address and config in PLACEHOLDER_CONFIGS:
+        sets.append("transport.address=tcp://127.0.0.1:5555")
+    return [arg for s in sets for arg in ("--set", s)]
+
+
 @pytest.mark.parametrize("config", [*REAL_CONFIGS, "configs/tiny-qwenimage.toml"])
-def test_every_shipped_config_validates(config: str) -> None:
-    extra = ["--set", "transport.address=tcp://127.0.0.1:5555"] if config in PLACEHOLDER_CONFIGS else []
-    result = CliRunner().invoke(app, ["validate", config, *extra])
+def test_every_shipped_config_validates(config: str, tmp_path: Path, reward_url: str) -> None:
+    result = CliRunner().invoke(app, ["validate", config, *_ready(config, tmp_path, reward_url)])
     assert result.exit_code == 0, result.output
     assert "ok" in result.output
 
 
 @pytest.mark.parametrize("config", PLACEHOLDER_CONFIGS)
-def test_validate_says_the_address_placeholder_must_be_replaced(config: str) -> None:
-    result = CliRunner().invoke(app, ["validate", config])
+def test_validate_says_the_address_placeholder_must_be_replaced(config: str, tmp_path: Path, reward_url: str) -> None:
+    result = CliRunner().invoke(app, ["validate", config, *_ready(config, tmp_path, reward_url, address=False)])
     assert result.exit_code == 2
     line = " ".join(result.output.split())
     assert "transport.address = 'tcp://NODE0_IP:5555'" in line and "placeholder" in line
@@ -66,10 +111,16 @@ def test_a_bind_address_of_another_host_stops_run_and_validate_in_one_line(tmp_p
     assert not (tmp_path / "run").exists()  # nothing was started or written
 
 
-def test_resume_with_the_colocated_loop_is_refused() -> None:
-    result = CliRunner().invoke(app, ["run", "configs/tiny-qwenimage.toml", "--set", "schedule.name=colocated", "--resume", "runs/x"])
-    assert result.exit_code == 2
-    assert "--resume needs an actor schedule" in result.output
+@pytest.mark.parametrize("schedule", ["colocated", "async1"])
+def test_resume_from_a_path_without_a_checkpoint_is_refused(schedule: str, tmp_path) -> None:
+    """Every schedule resumes (the colocated loop too, since issue 29 item 4); a path holding no checkpoint is
+    named at once, before anything starts or is written."""
+    missing = tmp_path / "[x]"
+    result = CliRunner().invoke(app, ["run", "configs/tiny-qwenimage.toml", "--set", f"schedule.name={schedule}",
+                                      "--resume", str(missing)])
+    assert result.exit_code == 2, result.output
+    assert f"config error: --resume '{missing}': no checkpoint there" in " ".join(result.output.split())
+    assert not missing.exists() and list(tmp_path.iterdir()) == []
 
 
 @pytest.mark.parametrize("command", [[], ["run"], ["validate"], ["worker"], ["keys"], ["keys", "create"], ["bench"], ["bench", "bubbles"]])
@@ -82,17 +133,26 @@ def test_help_prints_config_tables_literally(command: list[str]) -> None:
     assert "[/" not in result.output  # no stray rich markup
 
 
+def _loopback_interface() -> str:
+    names = [name for name, ips in interface_addresses().items() if "127.0.0.1" in ips]
+    if not names:
+        pytest.skip("no interface holds 127.0.0.1")
+    return names[0]
+
+
 def test_a_run_reachable_from_other_hosts_without_keys_refuses_to_start(tmp_path) -> None:
     # Refused before anything binds or spawns. The address must be one of this host's (any other is
-    # refused earlier, by the bind-address check), off loopback.
-    ips = [ip for ips in interface_addresses().values() for ip in ips if "." in ip and not ip.startswith("127.")]
-    if not ips:
-        pytest.skip("this host has no IPv4 address off loopback")
-    result = CliRunner().invoke(app, ["run", "configs/tiny-qwenimage.toml", "--out", str(tmp_path),
-                                      "--set", f"transport.address='tcp://{ips[0]}:0'"])
-    assert result.exit_code == 1
-    text = " ".join(result.output.split())
-    assert "digenrl keys create PATH" in text and "transport.keys" in text
+    # refused earlier, by the bind-address check) and count as reachable from other hosts: an interface
+    # *name* does (the CURVE rule never resolves names), so the loopback interface by name meets the rule
+    # while nothing here could ever listen off loopback.
+    address = f"tcp://{_loopback_interface()}:5555"
+    for command in (["validate"], ["run", "--out", str(tmp_path / "run")]):
+        result = CliRunner().invoke(app, [*command, "configs/tiny-qwenimage.toml", "--set", f"transport.address='{address}'"])
+        assert result.exit_code == 2, result.output
+        text = " ".join(result.output.split())
+        assert text.startswith(f"config error: transport.address = '{address}' is reachable from other hosts")
+        assert "digenrl keys create PATH" in text and "transport.keys" in text
+    assert not (tmp_path / "run").exists()
 
 
 def test_keys_create_writes_private_keys_and_never_overwrites(tmp_path) -> None:
@@ -115,3 +175,92 @@ def test_a_bind_address_in_use_names_the_key(tmp_path) -> None:
     line = " ".join(result.output.split())
     assert f"transport.address = '{address}': cannot bind (Address already in use)" in line
     assert "another process listens there" in line and "Traceback" not in result.output
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:  # a loopback port nothing listens on once closed
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _keys_readable_by_others(tmp: Path) -> Path:
+    root = create_keys(tmp / "keys")
+    os.chmod(root / "client.key_secret", 0o644)
+    return root
+
+
+# Issue 29 items 2 and 6a: each of these passed `digenrl validate` (ok) and then stopped `digenrl run` in its
+# transport, its Ray launcher or an actor process (a remote traceback). Per case, from (tmp_path, a closed
+# loopback port): the --set arguments, and the start of the one line both commands print.
+REFUSED = {
+    "keys-missing": (
+        lambda tmp, port: [f"transport.keys='{tmp / 'nowhere'}'"],
+        lambda tmp, port: f"transport.keys: '{tmp / 'nowhere' / 'server.key_secret'}' does not exist; create them "
+                          f"with `digenrl keys create {tmp / 'nowhere'}`"),
+    "keys-readable-by-others": (
+        lambda tmp, port: [f"transport.keys='{_keys_readable_by_others(tmp)}'"],
+        lambda tmp, port: f"transport.keys: '{tmp / 'keys' / 'client.key_secret'}' is readable by others (mode 644); "
+                          "run `chmod 600"),
+    "ray-missing": (
+        lambda tmp, port: ["cluster.launcher=ray"],
+        lambda tmp, port: "cluster.launcher = 'ray' needs Ray, which is not installed; install it with "
+                          "`pip install 'digenrl[ray]'`"),
+    "init-of-another-preset": (
+        lambda tmp, port: ["model.preset=tiny"],
+        lambda tmp, port: "model.init: 'checkpoints/tiny4x-shapes/model.safetensors' does not fit the qwenimage "
+                          "model's vae: missing ['decoder.up_blocks.1."),
+    "reward-nobody-answers": (
+        lambda tmp, port: ["reward.weights={remote = 1.0}", "reward.retries=0", f"reward.url='http://127.0.0.1:{port}'"],
+        lambda tmp, port: f"reward.url: reward 'remote' at http://127.0.0.1:{port}: failed after 1 attempt: URLError: "
+                          "[Errno 111] Connection refused; is the reward server running? `python -m "
+                          f"digenrl.rewards.server --reward NAME --port {port}`"),
+}
+
+
+@pytest.mark.parametrize("case", list(REFUSED))
+def test_validate_refuses_what_run_refuses_in_the_same_line(case: str, tmp_path: Path,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    if case == "ray-missing":
+        monkeypatch.setitem(sys.modules, "ray", None)  # as if the [ray] extra were not installed
+        monkeypatch.setenv("RAY_USAGE_STATS_ENABLED", "0")  # what the launcher sets before importing it
+    port = _closed_port()
+    sets, expected = REFUSED[case]
+    args = ["configs/tiny-qwenimage.toml", *(a for s in sets(tmp_path, port) for a in ("--set", s))]
+    lines = []
+    for command in (["validate"], ["run", "--out", str(tmp_path / "run")]):
+        result = CliRunner().invoke(app, [*command, *args])
+        assert result.exit_code == 2, result.output  # refused by the config checks, before anything starts
+        assert "Traceback" not in result.output
+        lines.append(" ".join(result.output.split()))
+    assert lines[0].startswith(f"config error: {expected(tmp_path, port)}"), lines[0]
+    assert lines[1] == lines[0], "run says something else than validate"
+    assert not (tmp_path / "run").exists()  # nothing was started or written
+
+
+def test_a_reward_url_without_a_scoring_endpoint_is_refused_before_the_run(tmp_path: Path, reward_server) -> None:
+    """The server answers, but not on that path (HTTP 404): one line naming reward.url, nothing started."""
+    wrong = reward_server.url.replace("/score", "/v1/reward")
+    result = CliRunner().invoke(app, ["run", "configs/tiny-qwenimage.toml", "--out", str(tmp_path / "run"),
+                                      "--set", "reward.weights={remote = 1.0}", "--set", f"reward.url='{wrong}'"])
+    assert result.exit_code == 2, result.output
+    line = " ".join(result.output.split())
+    assert line.startswith(f"config error: reward.url: reward 'remote' at {wrong}: HTTP 404")
+    assert f"`python -m digenrl.rewards.server` scores on {reward_server.url}" in line
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_reward_service_that_answers_passes_and_scores_nothing(reward_server) -> None:
+    scored = reward_server.requests
+    result = CliRunner().invoke(app, ["validate", "configs/tiny-qwenimage.toml", "--set", "reward.weights={remote = 1.0}",
+                                      "--set", f"reward.url='{reward_server.url}'"])
+    assert result.exit_code == 0, result.output
+    assert reward_server.requests == scored  # the probe's empty batch reaches no reward
+
+
+def test_a_reward_whose_failures_never_stop_the_run_is_not_probed() -> None:
+    """on_error = "penalty" with max_failure_fraction = 1: the run goes on whatever the service does (every
+    failed sample is penalised), so a service that is down now is no reason to refuse it."""
+    result = CliRunner().invoke(app, ["validate", "configs/tiny-qwenimage.toml", "--set", "reward.weights={remote = 1.0}",
+                                      "--set", f"reward.url='http://127.0.0.1:{_closed_port()}/score'",
+                                      "--set", "reward.on_error=penalty", "--set", "reward.max_failure_fraction=1.0"])
+    assert result.exit_code == 0, result.output

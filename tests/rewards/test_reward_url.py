@@ -82,3 +82,23 @@ def test_a_dead_server_names_the_url_and_how_to_start_one() -> None:
     assert f"reward 'remote' at {url}" in msg and "failed after 2 attempts" in msg and "refused" in msg.lower()
     assert f"python -m digenrl.rewards.server --reward NAME --port {port}" in msg
     assert f"serves {url}/score" in msg
+
+
+class _Broken:
+    """A reward that fails with an exception no reward is documented to raise."""
+
+    name = "broken"
+
+    def score(self, images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
+        raise KeyError("no such colour")
+
+
+def test_a_reward_that_raises_anything_answers_500_naming_it_not_a_dropped_connection() -> None:
+    # A dropped connection reads, to the client, as a dead server ("is the reward server running?").
+    from digenrl.rewards.server import RewardServer
+
+    with RewardServer(_Broken()) as server:
+        with pytest.raises(RewardError) as info:
+            RemoteReward(server.url, retries=0, timeout=20).score(red(1), ["red"])
+    msg = str(info.value)
+    assert "HTTP 500: KeyError: 'no such colour'" in msg and "is the reward server running" not in msg

@@ -134,3 +134,30 @@ class BadSetup(Actor):
 
 def _load_weights_that_are_missing() -> None:
     raise FileNotFoundError("weights.safetensors not found")
+
+
+class Lingers(Counter):
+    """A Counter whose ``__cleanup__`` takes ``linger`` seconds: its process outlives the others' at shutdown."""
+
+    def __init__(self, linger: float = 1.0) -> None:
+        super().__init__()
+        self.linger = linger
+        self.dozing = False
+
+    async def __cleanup__(self, exc: BaseException | None) -> None:
+        await asyncio.sleep(self.linger)
+
+    @endpoint
+    async def doze(self, seconds: float) -> str:
+        self.dozing = True
+        await asyncio.sleep(seconds)
+        return "awake"
+
+    @endpoint(control=True)
+    async def is_dozing(self) -> bool:
+        return self.dozing
+
+    @endpoint
+    async def ask_to_doze(self, peer: ActorRef[Lingers], seconds: float) -> str:
+        """Call ``peer.doze``: a call of this actor's process pending on the peer's."""
+        return await peer.doze.call(seconds)

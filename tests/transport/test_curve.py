@@ -4,6 +4,7 @@ message through, refused peers are counted, and nothing binds off loopback witho
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import stat
 import time
@@ -107,3 +108,42 @@ async def test_a_client_with_a_foreign_client_key_is_refused_by_zap(tmp_path: Pa
     finally:
         await server.aclose()
         await client.aclose()
+
+
+def _refusals(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if "refused a peer" in r.getMessage()]
+
+
+async def test_a_refusal_names_the_peers_address_never_the_endpoints_own(tmp_path: Path,
+                                                                          caplog: pytest.LogCaptureFixture) -> None:
+    """Issue 29 item 6b: the log said `tcp://127.0.0.1:5558 refused a peer at tcp://127.0.0.1:5558`. The
+    server listens on 127.0.0.2 and the peers dial it from 127.0.0.1 (loopback's source address), so the
+    peer's address and the endpoint's differ. ZAP names the peer whose client key it refused; a peer
+    without keys fails before ZAP is asked, and ZeroMQ reports no address for it."""
+    from dataclasses import replace
+
+    caplog.set_level(logging.WARNING, logger="digenrl.transport")
+    keys = load_keys(create_keys(tmp_path / "cluster"))
+    other = load_keys(create_keys(tmp_path / "other"))
+    forged = replace(keys, client_public=other.client_public, client_secret=other.client_secret)
+    try:
+        server = ZmqTransport("tcp://127.0.0.2:0", curve=keys)
+    except ConfigError:
+        pytest.skip("this host cannot bind 127.0.0.2")
+    forger = ZmqTransport("tcp://127.0.0.1:0", curve=forged, connect_timeout_s=5)
+    plain = ZmqTransport("tcp://127.0.0.1:0", connect_timeout_s=5)
+    try:
+        receiving = asyncio.ensure_future(server.recv())  # starts the refusal monitor
+        for intruder in (forger, plain):
+            with pytest.raises(TransportBroken):
+                await intruder.send(server.address, {"op": "let me in"})
+        await _until(lambda: len(_refusals(caplog)) >= 2, "both refusals logged")
+        receiving.cancel()
+    finally:
+        for t in (server, forger, plain):
+            await t.aclose()
+    lines = _refusals(caplog)
+    assert f"zmq endpoint {server.address} refused a peer at 127.0.0.1: its client key is not the cluster's" \
+           in "\n".join(lines), lines
+    assert any(line.startswith(f"zmq endpoint {server.address} refused a peer without CURVE keys") for line in lines)
+    assert not any(f"at {server.address}" in line for line in lines), lines

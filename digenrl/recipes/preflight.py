@@ -1,0 +1,114 @@
+"""What ``digenrl validate`` and ``digenrl run`` check before anything starts: one list for both.
+
+::
+
+    preflight(load_config("configs/tiny-qwenimage.toml"))   # the first problem as a ConfigError, else None
+
+Each check is a refusal the run makes anyway, made early: without it the same problem stops the run
+later, deeper, or inside an actor process as a remote traceback. In the run's order:
+
+1. this machine can run the config (:func:`~digenrl.config.check_runnable`: a CUDA device, the
+   weights directory);
+2. the actors' transport (actor schedules): ``transport.address`` is one of this host's interfaces,
+   Ray is installed for ``cluster.launcher = "ray"``, the ``transport.keys`` directory can be read and
+   is its owner's alone, and an address reachable from other hosts has keys;
+3. ``model.init`` fits ``model.preset``;
+4. the remote reward answers at ``reward.url``.
+
+Not here: the memory plan (``digenrl.plan.memory.check_memory``, the CLI's second call: the planner
+sits above the recipes), and what needs the spawned processes (a free port, workers that join, the
+Ray cluster's resources), which the run checks as it starts them.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from digenrl.config import Config, check_runnable
+from digenrl.errors import ConfigError
+from digenrl.transport.curve import ClusterKeys, load_keys, require_keys
+from digenrl.transport.hosts import check_bind_address
+
+__all__ = ["preflight", "cluster_keys", "check_transport", "check_init", "check_reward"]
+
+
+def preflight(cfg: Config) -> None:
+    """Refuse ``cfg`` now if the run would refuse it later (see the module docstring).
+
+    Raises:
+        ConfigError: the first problem, naming its config key.
+    """
+    check_runnable(cfg)
+    if cfg.disaggregated:
+        check_transport(cfg)
+    check_init(cfg)
+    check_reward(cfg)
+
+
+def cluster_keys(cfg: Config) -> ClusterKeys | None:
+    """The run's CURVE keys (``transport.keys``), or None; without them no endpoint may bind off loopback.
+
+    Raises:
+        ConfigError: the keys cannot be read, or a secret file is readable by others (the message
+            says how to create or fix them).
+    """
+    return load_keys(Path(cfg.transport.keys).expanduser()) if cfg.transport.keys else None
+
+
+def check_transport(cfg: Config) -> None:
+    """The driver's endpoint as the actor run opens it: address, launcher, keys, and keys where needed.
+
+    Raises:
+        ConfigError: naming ``transport.address``, ``cluster.launcher`` or ``transport.keys``.
+    """
+    transport = cfg.transport
+    check_bind_address(transport.address, "transport.address")
+    if cfg.cluster.launcher == "ray":
+        from digenrl.recipes.ray_launcher import check_ray
+
+        check_ray()
+    keys = cluster_keys(cfg)
+    if transport.actors == "zmq" and transport.address:
+        require_keys(transport.address, keys, "transport.address")
+
+
+def check_init(cfg: Config) -> None:
+    """``model.init`` loads into ``model.preset``: the run's own check, on the bare random preset.
+
+    :func:`~digenrl.models.init.load_init` (sha256 against ``recipe.json``, every key and shape of
+    every component) into the preset's pipeline built on the CPU in float32: the presets that take
+    an init have a few million parameters at most and build in tens of milliseconds. Not the meta
+    device (Wan's scheduler cannot be built there), and never the policy (LoRA, devices, dtype).
+
+    Raises:
+        ConfigError: naming ``model.init`` (missing file, sha256, a component that does not fit).
+    """
+    m = cfg.model
+    if not m.init:
+        return
+    from digenrl.models import load_model
+    from digenrl.models.init import load_init
+
+    load_init(load_model(m.name, m.preset, seed=m.seed), m.init)
+
+
+def check_reward(cfg: Config) -> None:
+    """The remote reward answers at ``reward.url`` (an empty batch: nothing is scored).
+
+    Skipped when no remote reward is weighted, or when its failures can never stop the run
+    (``on_error = "penalty"`` with ``max_failure_fraction = 1``: every failed sample is penalised).
+
+    Raises:
+        ConfigError: ``reward.url`` and the reward's own message (nothing answers, HTTP 404, not a URL).
+    """
+    from digenrl.rewards import RewardError
+    from digenrl.rewards.remote import RemoteReward
+
+    r = cfg.reward
+    if "remote" not in r.weights or (r.on_error == "penalty" and r.max_failure_fraction >= 1):
+        return
+    try:
+        RemoteReward(r.url, timeout=r.timeout, retries=r.retries, image_format=r.image_format).probe()
+    except (RewardError, ValueError) as exc:
+        raise ConfigError(f"reward.url: {exc}") from None
+
