@@ -12,6 +12,8 @@ from digenrl_cli._text import escape, examples, print_error
 if TYPE_CHECKING:
     from rich.console import Console
 
+    from digenrl.sim.measured import MeasuredCost
+
 bench_app = typer.Typer(
     name="bench",
     help="Benchmarks: simulated schedules side by side.",
@@ -26,6 +28,7 @@ _EPILOG = examples(
     "digenrl bench bubbles --scenario scale-1024 --schedule colocated --schedule async1 --batches 100",
     "digenrl bench bubbles --scenario flux-32 --schedule async1 --schedule verl-omni-async  # digenrl vs a peer",
     "digenrl bench bubbles --scenario my-cluster.toml        # your fleet and workload (see digenrl/sim/user.py)",
+    "digenrl bench bubbles --scenario my-cpu.toml --costs runs/real/bubbles.json  # priced with measured costs",
     "digenrl bench bubbles --list",
     "digenrl bench bubbles --real --batches 20 --repeats 3 --out runs/real  # the tiny model, for real, here",
     "digenrl bench bubbles --real --plan-check --out runs/plan-check  # is the planner's choice the measured best?",
@@ -54,11 +57,13 @@ def bubbles(
                                     "with them, run the planner's top placements (and the shipped one) for real and "
                                     "say whether its first choice is the measured best (exit 1 if not)."),
     top: int = typer.Option(3, "--top", min=1, help="--plan-check: how many of the planner's placements to run."),
-    costs: Path = typer.Option(None, "--costs", help="--plan-check: plan with this `bench bubbles --real` report's "
-                               "costs (its bubbles.json) instead of measuring them first."),
+    costs: Path = typer.Option(None, "--costs", help="Price the simulated scenarios (and --plan) with the token "
+                               "costs this `bench bubbles --real` report measured (its bubbles.json) instead of the "
+                               "fitted veRL-Omni utilisations: scenarios of the device type it measured, digenrl's "
+                               "schedules. --plan-check: plan with them instead of measuring them first."),
 ) -> None:
     """Simulate scenarios x schedules (or, with --real, measure them on this machine): samples/s, speedup,
-    bubble ratios, staleness, sync share."""
+    bubble ratios, staleness, sync share, and the cost source that priced them."""
     if plan_check:
         from digenrl_cli.plan_check import main as check
 
@@ -68,6 +73,10 @@ def bubbles(
         check(config, set_ or [], batches, repeats, top, out, costs)
         return
     if real:
+        if costs is not None:
+            typer.secho("--costs with --real: a real run measures its own costs; give --costs to a simulated run "
+                        "(--scenario) or to --real --plan-check", fg=typer.colors.RED, err=True)
+            raise typer.Exit(2)
         _real(schedule or None, batches, out, repeats, config, set_ or [])
         return
     from rich.console import Console
@@ -94,9 +103,12 @@ def bubbles(
         console.print(f"peers (modelled baselines): {escape(peers)}")
         return
     try:
-        planned = _planned(scenario or None, batches, console) if plan else None
+        from digenrl.sim.measured import MeasuredCost
+
+        measured = MeasuredCost.from_report(costs) if costs is not None else None
+        planned = _planned(scenario or None, batches, console, measured) if plan else None
         report = run_bubbles(scenario or None, schedule or None, batches, out, decomposition=decomposition,
-                             planned=planned)
+                             planned=planned, measured=measured)
     except ConfigError as exc:
         print_error(console, exc, "error")
         raise typer.Exit(2) from exc
@@ -124,15 +136,22 @@ def bubbles(
     if report.decomposition:
         console.print(_decomposition_table(report.decomposition))
     cal = report.calibration
-    console.print(f"cost model fixed from the veRL-Omni colocated calibration: mfu_rollout={cal['mfu_rollout']:.3f}, "
-                  f"mfu_train={cal['mfu_train']:.3f}, mfu_reward={cal['mfu_reward']:.4f}; the colocated baseline also "
-                  f"recomputes old log-probs ({cal['old_logprob_passes']:g} forward/row)")
+    for name, source in {r["scenario"]: r["cost_source"] for r in report.rows}.items():
+        console.print(escape(f"costs {name}: {source}"))
+    if "mfu_reward" in cal:
+        console.print(f"the utilisations are fitted once to the veRL-Omni colocated run and fixed: mfu_rollout="
+                      f"{cal['mfu_rollout']:.3f}, mfu_train={cal['mfu_train']:.3f}, "
+                      f"mfu_reward={cal['mfu_reward']:.4f}; the colocated baseline also recomputes old log-probs "
+                      f"({cal['old_logprob_passes']:g} forward/row)")
+    for note in report.notes:
+        console.print(escape(f"note: {note}"))
     for path in report.files[:1]:
         console.print(f"wrote {escape(path)} and {len(report.files) - 1} trace/Gantt files")
 
 
-def _planned(names: list[str] | None, batches: int, console: Console) -> dict:
-    """Scenario -> the split `digenrl plan --fleet` chooses for it; a scenario it refuses keeps its fixed split."""
+def _planned(names: list[str] | None, batches: int, console: Console, measured: MeasuredCost | None = None) -> dict:
+    """Scenario -> the split `digenrl plan --fleet` chooses for it (priced as the rows are: ``measured`` costs or
+    the fitted utilisations); a scenario it refuses keeps its fixed split."""
     import time
 
     from digenrl.errors import ConfigError
@@ -143,11 +162,12 @@ def _planned(names: list[str] | None, batches: int, console: Console) -> dict:
 
     planned = {}
     for name in names or DEFAULT_SCENARIOS:
-        sc = get_scenario(name)
-        pools = load_scenario(name).pools if name.endswith(".toml") else None
+        user = load_scenario(name) if name.endswith(".toml") else None
+        sc = user.scenario if user is not None else get_scenario(name)
+        pools = user.pools if user is not None else None
         start = time.perf_counter()
         try:
-            split, result = plan_scenario(sc, pools, final_batches=batches)
+            split, result = plan_scenario(sc, pools, final_batches=batches, measured=measured)
         except ConfigError as exc:
             console.print(f"[yellow]plan {escape(sc.name)}: no placement fits ({escape(exc)}); its rows keep the fixed "
                           "split[/yellow]")
@@ -228,3 +248,8 @@ def _real(schedules: list[str] | None, batches: int, out: Path | None, repeats: 
 def register(app: typer.Typer) -> None:
     """Add this module's commands to `app`."""
     app.add_typer(bench_app, name="bench")
+
+
+from digenrl_cli import bench_tokens  # noqa: E402 - `bench tokens` lives in its own module
+
+bench_tokens.register(bench_app)

@@ -45,6 +45,9 @@ def format_plan(plan: MemoryPlan) -> str:
     lines[1] = f"device {', '.join(sorted({f'{r.device} {r.capacity / GB:.0f} GB' for r in roles}))}; 2 GB each kept for the CUDA context and allocator"
     lines.append(f"activations: {plan.activations}")
     lines += [f"{r.role}: {note}" for r in roles for note in r.notes]
+    lines += [f"GPU {g.gpu} ({g.device}) shared by {' + '.join(g.roles)} (placement.actors_per_gpu): "
+              f"{g.bytes / GB:.2f} GB + {len(g.roles)} x 2 GB context of {g.capacity / GB:.0f} GB, headroom "
+              f"{g.headroom / GB:.2f} GB, {'fits' if g.fits else 'DOES NOT FIT'}" for g in plan.shared]
     return "\n".join(lines)
 
 
@@ -60,7 +63,8 @@ def plan(
     batches: Annotated[int, typer.Option("--batches", min=3, help="--fleet: optimizer steps per simulation.")] = 6,
     costs: Annotated[Path | None, typer.Option("--costs", help="--fleet: price tokens with the costs a `digenrl "
                                                "bench bubbles --real` report measured (its bubbles.json) instead of "
-                                               "the model's GPU profile: a plan for that machine.")] = None,
+                                               "the fitted utilisations on the config's model profile: a plan for "
+                                               "the device type it measured (the fleet must be of that type).")] = None,
     tolerance: Annotated[float | None, typer.Option("--tolerance", min=0.0, help="--fleet: keep the config's own "
                                                     "placement first unless another is predicted this fraction "
                                                     "faster (default: the simulator's measured error the --costs "
@@ -119,7 +123,7 @@ def _fleet(config: Path, overrides: list[str], fleet: str, write: Path | None, t
     header = f"{'#':>2}  {'split':44s} {'tag_steps':>9} {'frag_groups':>11} {'rows/pass':>9} {'samples/s':>10} " \
              f"{'bubble R':>8} {'bubble T':>8} {'stale':>5}  memory GB / device"
     lines = [f"{cfg.model.name} on {fleet}, schedule {cfg.schedule.name}: {result.simulations} simulations in "
-             f"{time.perf_counter() - start:.1f} s", header]
+             f"{time.perf_counter() - start:.1f} s", f"costs: {result.cost_source}", header]
     for i, c in enumerate(result.candidates, 1):
         mem = ", ".join(f"{role} {m['gb']:.0f}/{m['capacity_gb']:.0f} {m['device']}" for role, m in c.memory.items())
         split = c.split + (" (shipped)" if c.shipped else "")
@@ -133,7 +137,7 @@ def _fleet(config: Path, overrides: list[str], fleet: str, write: Path | None, t
         json_out.parent.mkdir(parents=True, exist_ok=True)
         json_out.write_text(json.dumps(result.to_json(), indent=2))
     if write is not None:
-        write_config(config, overrides, result.best, write)
+        write_config(config, overrides, result.best, write, result.cost_source)
         typer.echo(f"wrote {write}: digenrl run {write}")
 
 

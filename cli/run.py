@@ -18,12 +18,13 @@ if TYPE_CHECKING:
     from rich.console import Console
 
     from digenrl.config import Config
+    from digenrl.plan.memory import MemoryPlan
 
 _SET_HELP = "Override a config value, e.g. --set train.lr=1e-3 (repeatable; values are TOML literals)."
 
 
-def _load(config: Path, overrides: list[str] | None) -> Config:
-    """The config, checked as `run` checks it before anything starts (`validate` and `run` alike)."""
+def _load(config: Path, overrides: list[str] | None) -> tuple[Config, MemoryPlan]:
+    """The config and its memory plan, checked as `run` checks them before anything starts (`validate` alike)."""
     from digenrl.config import load_config
     from digenrl.plan.memory import check_memory
     from digenrl.recipes.preflight import preflight
@@ -31,8 +32,7 @@ def _load(config: Path, overrides: list[str] | None) -> Config:
     try:
         cfg = load_config(config, overrides or [])
         preflight(cfg)  # this host, the transport and its keys, Ray, model.init, reward.url
-        check_memory(cfg)  # every role fits its device
-        return cfg
+        return cfg, check_memory(cfg)  # every role fits its device (and the GPUs that actors share)
     except ConfigError as exc:
         typer.secho(f"config error: {exc}", fg=typer.colors.RED, err=True)
         raise typer.Exit(2) from exc
@@ -85,14 +85,29 @@ def _run(config: Path, set_: list[str] | None, out: Path | None, resume: Path | 
 
     from digenrl.recipes.colocated import summarize
 
-    cfg = _load(config, set_)
+    cfg, plan = _load(config, set_)
     out_dir = _out_dir(cfg, out, resume)
     # Wide enough for the per-iteration metrics even when stderr is not a terminal (logs, CI).
     console = Console(stderr=True, width=max(Console(stderr=True).width, 160))
     history = _run_recipe(cfg, out_dir, resume, console)
     s = summarize(history)
+    for line in _memory_lines(plan, out_dir):
+        console.print(line, markup=False)
     console.print(f"reward: first {s['window']} iters {s['first']:.4f} -> last {s['window']} {s['last']:.4f} "
                   f"(gain {s['gain']:+.4f}); outputs in {out_dir}", markup=False)
+
+
+def _memory_lines(plan: MemoryPlan, out_dir: Path) -> list[str]:
+    """Each GPU process's measured peak beside the memory plan (from the run's summary.json)."""
+    import json
+
+    from digenrl.plan.memory import planned_vs_measured
+
+    summary = out_dir / "summary.json"
+    peaks = json.loads(summary.read_text()).get("peak_memory", {}) if summary.is_file() else {}
+    return [f"memory {m['actor']} on {m['device']}: peak {m['allocated'] / 1e9:.2f} GB allocated "
+            f"({m['reserved'] / 1e9:.2f} GB reserved), planned {m['planned'] / 1e9:.2f} GB for the {m['role']} role"
+            + (f" ({m['ratio']:.2f}x)" if m["ratio"] else "") for m in planned_vs_measured(plan, peaks)]
 
 
 def _out_dir(cfg: Config, out: Path | None, resume: Path | None) -> Path:
@@ -142,7 +157,7 @@ def validate(
     """Check a config as `digenrl run` does before it starts anything: keys, types and allowed values,
     then what run would refuse (digenrl.recipes.preflight): this host's device and weights, the bind
     address, CURVE keys, Ray, model.init, reward.url, and the memory plan."""
-    cfg = _load(config, set_)
+    cfg, _ = _load(config, set_)
     typer.echo(f"{config}: ok ({cfg.model.name}/{cfg.model.preset}, reward {dict(cfg.reward.weights)}, "
                f"{cfg.train.iterations} iterations, schedule {cfg.schedule.name})")
 

@@ -86,6 +86,9 @@ def resolve_shard(shard: str, finetune: str, world: int) -> str:
     return shard
 
 
+COMPILE_MODES = ("", "default", "reduce-overhead", "max-autotune")  # model.compile: torch.compile's modes
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """``[model]``: which generator, how it is trained (LoRA or full), precision."""
@@ -113,19 +116,37 @@ class ModelConfig:
     # The frozen text encoder runs once per prompt (embeddings are cached); true moves it to the CPU
     # between uses (its GPU memory goes to activations). Trainers never encode: they free it always.
     offload_text_encoder: bool = True
-    # Size of a family with several (preset "full" and the memory plan): Wan2.1 "1.3B" | "14B"; "" = the largest.
+    # Size of a family with several (presets "full", "random" and the memory plan): Wan2.1 "1.3B" | "14B";
+    # "" = the largest.
     variant: str = ""
+    # Preset "random" (the published architecture at real size, random weights, built on model.device) and
+    # "full": every block stack of the transformer cut to this many blocks at the real width (FLUX.1 and
+    # HunyuanVideo: this many double- and this many single-stream blocks); 0 = the published depth.
+    layers: int = 0
+    # Preset "random": "model" = the real-size text encoders (random); "random-embeds" = none, seeded random
+    # prompt features of their shape instead (models/_random.py), so a 7B encoder need not exist to time a run.
+    text_encoder: str = "model"
+    # torch.compile the transformer (after LoRA; per process, at its first call of each shape): "" = eager,
+    # "default", "reduce-overhead" (CUDA graphs) or "max-autotune". Compiled kernels are cached in
+    # TORCHINDUCTOR_CACHE_DIR (default ~/.cache/digenrl/torchinductor), so a later process or run reuses them.
+    compile: str = ""
 
     def __post_init__(self) -> None:
         from digenrl.models import MODEL_NAMES, PRESETS
-        from digenrl.models.full import VARIANTS
+        from digenrl.models.full import VARIANTS, published_depth
+        from digenrl.models.registry import TEXT_ENCODERS
 
         _choice("model.vae_init", self.vae_init, ("default", "signal"))
         _check("model.vae_init", self.vae_init == "default" or self.preset != "pretrained",
                "'default' for pretrained weights", self.vae_init)
+        _check("model.vae_init", self.vae_init == "default" or self.preset != "random",
+               "'default' for preset 'random' (the toy init is for the tiny presets)", self.vae_init)
 
         _check("model.init", not self.init or self.preset != "pretrained", "'' for preset 'pretrained' (use model.path)",
                self.init)
+        _check("model.init", not self.init or self.preset != "random",
+               "'' for preset 'random' (its weights are random by design; a checkpoint of the published "
+               "architecture loads with preset 'pretrained' and model.path)", self.init)
         _check("model.vae_init", not self.init or self.vae_init == "default",
                "'default' with model.init (the checkpoint has trained weights)", self.vae_init)
         _choice("model.name", self.name, MODEL_NAMES)
@@ -140,6 +161,15 @@ class ModelConfig:
         _check("model.lora_rank", self.lora_rank >= 1, ">= 1", self.lora_rank)
         if self.variant:
             _choice("model.variant", self.variant, VARIANTS[self.name])
+        _choice("model.text_encoder", self.text_encoder, TEXT_ENCODERS)
+        _choice("model.compile", self.compile, COMPILE_MODES)
+        _check("model.text_encoder", self.text_encoder == "model" or self.preset == "random",
+               "'model' unless model.preset = 'random'", self.text_encoder)
+        _check("model.layers", self.layers == 0 or self.preset in ("random", "full"),
+               "0 unless model.preset = 'random' (or 'full', for `digenrl plan`)", self.layers)
+        if self.preset in ("random", "full"):
+            depth = published_depth(self.name, self.variant)
+            _check("model.layers", 0 <= self.layers <= depth, f"in 0..{depth} (0 = the published depth)", self.layers)
 
 
 @dataclass(frozen=True)
@@ -341,6 +371,10 @@ class PlacementConfig:
     join_timeout: float = 600.0  # seconds to wait for the workers to join
     max_rollout: int = 0  # live rollout actors a running run may grow to by late joins (0: placement.rollout, none)
     gpu: str = "H100"  # the accelerator type each actor gets (the memory plan's headroom; `digenrl plan`)
+    # Actor processes sharing one GPU (model.device = "cuda", the local or the Ray launcher): 2 puts a rollout
+    # actor and a trainer on one GPU; the memory plan then checks that what the sharers hold fits it together.
+    # Joined workers (placement.workers) are a GPU each, whatever this says.
+    actors_per_gpu: int = 1
     rollout_gpu: str = ""  # a heterogeneous fleet: the rollout actors' type ("" = gpu)
     # What a Ray placement-group bundle of each role asks for beyond its CPUs/GPU (cluster.launcher = "ray"),
     # e.g. { accelerator_type = "L40S" } or a custom resource { l40s_pool = 1 }.
@@ -360,14 +394,51 @@ class PlacementConfig:
         _check("placement.actor_threads", self.actor_threads >= 1, ">= 1", self.actor_threads)
         _check("placement.workers", self.workers >= 0, ">= 0", self.workers)
         _check("placement.join_timeout", self.join_timeout > 0, "> 0 seconds", self.join_timeout)
+        _check("placement.actors_per_gpu", self.actors_per_gpu >= 1, ">= 1", self.actors_per_gpu)
         _check("placement.max_rollout", self.max_rollout == 0 or self.max_rollout >= self.rollout,
                f"0 (no late joins) or >= placement.rollout = {self.rollout}", self.max_rollout)
         check_resources("placement.rollout_resources", self.rollout_resources)
         check_resources("placement.trainer_resources", self.trainer_resources)
-        actors = self.rollout + self.trainer + self.reward
+        actors = self.actors
         if self.workers and self.workers < actors:
             raise ConfigError(f"placement.workers = {self.workers}: one actor per joined worker needs at least "
                               f"{actors} (rollout + trainer + reward)")
+
+    @property
+    def actors(self) -> int:
+        """Actor processes the run starts (rollout, trainer and reward actors)."""
+        return self.rollout + self.trainer + self.reward
+
+    @property
+    def gpus(self) -> int:
+        """GPUs the actors need at ``actors_per_gpu`` of them each (joined workers: one each)."""
+        return self.actors if self.workers else -(-self.actors // self.actors_per_gpu)
+
+    def check_gpus(self, have: int) -> None:
+        """Refuse a local launch on a host with fewer GPUs than :attr:`gpus`, naming the key that shares them.
+
+        Raises:
+            ConfigError: too few GPUs for ``actors_per_gpu``.
+        """
+        if self.workers or have >= self.gpus:
+            return
+        share = -(-self.actors // max(have, 1))
+        raise ConfigError(f"placement: {self.actors} actor processes at placement.actors_per_gpu = {self.actors_per_gpu} "
+                          f"need {self.gpus} GPUs; this host has {have}: set placement.actors_per_gpu = {share} to "
+                          "share them (the memory plan checks that they fit)")
+
+    def gpu_of(self, k: int) -> int:
+        """The GPU (of :attr:`gpus`) of the ``k``-th actor spawned: round robin, so the trainers (spawned first)
+        get GPUs of their own while there are enough (NCCL refuses two ranks on one device)."""
+        return k % self.gpus
+
+    def roles_by_gpu(self) -> list[list[str]]:
+        """The roles of the actors on each GPU, in spawn order (trainers, rollout, reward actors)."""
+        order = ["trainer"] * self.trainer + ["rollout"] * self.rollout + ["reward"] * self.reward
+        out: list[list[str]] = [[] for _ in range(self.gpus)]
+        for k, role in enumerate(order):
+            out[self.gpu_of(k)].append(role)
+        return out
 
     @property
     def late_rollout(self) -> int:
@@ -547,6 +618,9 @@ class Config:
             if transport.actors != "zmq":
                 raise ConfigError(f"placement.trainer = {place.trainer} needs transport.actors = 'zmq': the trainers "
                                   "form a torch.distributed group, one process each")
+        if shard == "fsdp" and self.model.compile:
+            raise ConfigError(f"model.compile = {self.model.compile!r} with train.shard = 'fsdp': compiling sharded "
+                              "blocks is not supported yet; use model.compile = '' or train.shard = 'ddp'")
         if shard == "fsdp" and place.rollout == 0:
             raise ConfigError("placement.rollout = 0 needs trainers that generate (TAG), which train.shard = 'fsdp' "
                               "turns off; add a rollout actor or use train.shard = 'ddp'")
@@ -729,6 +803,8 @@ def check_runnable(cfg: Config) -> None:
     placed = cfg.cluster.launcher == "ray"
     if cfg.model.device.startswith("cuda") and not placed and not torch.cuda.is_available():
         raise ConfigError(f"model.device = {cfg.model.device!r}, but this machine has no CUDA device; {_TINY_HINT}")
+    if cfg.model.device == "cuda" and cfg.disaggregated and not placed:
+        cfg.placement.check_gpus(torch.cuda.device_count())
     if cfg.model.preset == "pretrained":
         root = Path(cfg.model.path)
         if not cfg.model.path or not root.is_dir():

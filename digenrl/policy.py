@@ -1,9 +1,11 @@
 """The generator a run trains, built from its config: one builder for the colocated loop and the actors.
 
-:func:`build_model` makes the configured diffusers generator (random tiny/small preset or local
-pretrained weights), applies the toy VAE init where asked and makes LoRA adapters (or every
-parameter, for full fine-tuning) trainable. Every process of a run builds it the same way from the
-same seed, so the rollout actors, trainers and the colocated loop start from identical weights.
+:func:`build_model` makes the configured diffusers generator (random tiny/small preset, local
+pretrained weights, or the published architecture with random weights: preset ``random``), applies the
+toy VAE init where asked and makes LoRA adapters (or every parameter, for full fine-tuning) trainable.
+Every process of a run builds it the same way from the same seed, so the rollout actors, trainers and
+the colocated loop start from identical weights (preset ``random`` too, on any device: its weights are
+drawn on the host).
 
 The memory features are applied per role after that: :func:`prepare_for_training` (trainers and the
 memory plan: fp32 master weights, gradient checkpointing, freeing what a trainer never runs) and
@@ -13,7 +15,9 @@ memory plan: fp32 master weights, gradient checkpointing, freeing what a trainer
 from __future__ import annotations
 
 import logging
+import os
 import threading
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -24,7 +28,7 @@ from digenrl.models._toy import toy_signal_init
 from digenrl.models.init import load_init
 from digenrl.models.lora import apply_lora, enable_full_finetune
 
-__all__ = ["build_model", "trained_steps", "prepare_for_training", "prepare_for_generation", "text_encoders"]
+__all__ = ["build_model", "compile_transformer", "trained_steps", "prepare_for_training", "prepare_for_generation", "text_encoders"]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _BUILD_LOCK = threading.Lock()
@@ -43,7 +47,8 @@ def _build_model(cfg: Config) -> tuple[GeneratorModel, list[torch.nn.Parameter]]
     model = load_model(m.name, m.preset, path=m.path or None, device=m.device, dtype=_DTYPES[m.dtype], seed=m.seed,
                        resolution=(m.resolution[0], m.resolution[1]),
                        num_frames=m.num_frames if m.name in ("wan21", "hunyuanvideo") else None,
-                       guidance_scale=m.guidance_scale, text_len=m.text_len or None)
+                       guidance_scale=m.guidance_scale, text_len=m.text_len or None, variant=m.variant,
+                       layers=m.layers, text_encoder=m.text_encoder)
     if m.init:  # a pretrained checkpoint of the random preset (the default: the tiny model that draws shapes)
         load_init(model, m.init)
     if m.vae_init == "signal":  # random toy presets: make pixels depend on the latent and the prompt
@@ -53,7 +58,19 @@ def _build_model(cfg: Config) -> tuple[GeneratorModel, list[torch.nn.Parameter]]
                             target_modules=m.lora_targets or None)
     else:
         params = enable_full_finetune(model)
+    if m.compile:
+        compile_transformer(model, m.compile)
     return model, params
+
+
+def compile_transformer(model: GeneratorModel, mode: str) -> None:
+    """``torch.compile`` the transformer in place (``model.compile``): its parameters, LoRA and state dict stay
+    the module's own, so training, publication and checkpoints do not change. Compiles at the first call of
+    each shape (merged LoRA for sampling, the reference with adapters off: each its own graph); the kernels
+    go to ``TORCHINDUCTOR_CACHE_DIR`` (here ``~/.cache/digenrl/torchinductor`` unless set), which later
+    processes and runs reuse instead of compiling again."""
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path.home() / ".cache" / "digenrl" / "torchinductor"))
+    model.transformer.compile(mode=None if mode == "default" else mode)
 
 
 def trained_steps(cfg: Config) -> int:

@@ -374,6 +374,7 @@ def _tiny_run(schedule: str, iterations: int = 2) -> dict[str, Any]:
             "model": {"device": "cuda", "dtype": "bfloat16"},
             "train": {"iterations": iterations},
             "schedule": {"name": schedule},
+            "placement": {"actors_per_gpu": 2},  # the rollout actor and the trainer on one GPU, as a 1-GPU host has
             "log": {"out": out, "image_every": 0, "checkpoint_every": 0, "trace": False, "gantt": False},
         })
         torch.cuda.reset_peak_memory_stats()

@@ -261,8 +261,10 @@ class DiffusersGenerator:
 
     @property
     def dtype(self) -> torch.dtype:
-        """Compute dtype of the transformer."""
-        return next(self.pipe.transformer.parameters()).dtype
+        """Compute dtype of the transformer: diffusers' ``ModelMixin.dtype``, which skips the parameters kept in
+        fp32 (Wan2.1 loaded in bf16 keeps ``scale_shift_table``, its first parameter, in fp32)."""
+        tr = self.pipe.transformer
+        return tr.dtype if isinstance(getattr(tr, "dtype", None), torch.dtype) else next(tr.parameters()).dtype
 
     def save_pretrained(self, path: str | Path) -> None:
         """Write the whole pipeline (all components, configs, tokenizers) with diffusers' ``save_pretrained``.

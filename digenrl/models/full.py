@@ -6,7 +6,9 @@ Wan-AI/Wan2.1-T2V-1.3B-Diffusers and -14B-Diffusers, hunyuanvideo-community/Huny
 is constructed under ``torch.device("meta")``: parameters carry shapes and dtypes but no storage, so a
 20 B model "builds" in a second and the memory plan (``digenrl.plan``) counts and traces it exactly.
 
-A family with several sizes picks one with ``model.variant`` (Wan2.1: ``"1.3B"`` or ``"14B"``).
+A family with several sizes picks one with ``model.variant`` (Wan2.1: ``"1.3B"`` or ``"14B"``), and
+``model.layers`` cuts every block stack of the transformer to at most that many blocks at the real width
+(:data:`BLOCK_KEYS`). Preset ``random`` (``models/_random.py``) builds the same components with weights.
 """
 
 from __future__ import annotations
@@ -18,10 +20,12 @@ import torch
 
 from digenrl.errors import ConfigError
 
-__all__ = ["FULL_CONFIGS", "VARIANTS", "FullModel", "build_full", "default_variant", "cast_quietly"]
+__all__ = ["FULL_CONFIGS", "VARIANTS", "BLOCK_KEYS", "FullModel", "build_full", "component_specs", "construct",
+           "default_variant", "published_depth", "cast_quietly"]
 
 _QWEN_VL_TEXT = dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
-                     num_key_value_heads=4, vocab_size=152064, max_position_embeddings=128000, rope_theta=1e6,
+                     num_key_value_heads=4, vocab_size=152064, max_position_embeddings=128000,
+                     rope_parameters={"rope_type": "default", "mrope_section": [16, 24, 24], "rope_theta": 1e6},
                      tie_word_embeddings=False)
 _QWEN_VL_VISION = dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, out_hidden_size=3584,
                        patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=112,
@@ -89,6 +93,14 @@ FULL_CONFIGS: dict[str, dict[str, dict[str, tuple[str, dict[str, Any]]]]] = {
     }},
 }
 VARIANTS: dict[str, tuple[str, ...]] = {name: tuple(v) for name, v in FULL_CONFIGS.items()}
+# The block stacks of each transformer (config keys) that ``model.layers`` cuts; HunyuanVideo's two-block
+# token refiner is part of its text embedder and stays.
+BLOCK_KEYS: dict[str, tuple[str, ...]] = {
+    "qwenimage": ("num_layers",),
+    "flux": ("num_layers", "num_single_layers"),
+    "wan21": ("num_layers",),
+    "hunyuanvideo": ("num_layers", "num_single_layers"),
+}
 
 # transformers config class of each text encoder class
 _TEXT_CONFIGS = {"Qwen2_5_VLForConditionalGeneration": "Qwen2_5_VLConfig", "T5EncoderModel": "T5Config",
@@ -114,16 +126,59 @@ class FullModel:
     text_encoders: dict[str, torch.nn.Module]
 
 
-def _build(cls_name: str, kwargs: dict[str, Any], dtype: torch.dtype) -> torch.nn.Module:
+def _resolve(name: str, variant: str) -> str:
+    if name not in FULL_CONFIGS:
+        raise ConfigError(f"model.name: {name!r} has no full-size config; allowed: {', '.join(FULL_CONFIGS)}")
+    variant = variant or default_variant(name)
+    if variant not in FULL_CONFIGS[name]:
+        raise ConfigError(f"model.variant: {name} has no variant {variant!r}; allowed: {', '.join(VARIANTS[name])}")
+    return variant
+
+
+def published_depth(name: str, variant: str = "") -> int:
+    """Blocks of the deepest stack of ``name``'s transformer (the largest useful ``model.layers``).
+
+    Raises:
+        ConfigError: unknown model name or variant.
+    """
+    kwargs = FULL_CONFIGS[name][_resolve(name, variant)]["transformer"][1]
+    return max(kwargs[k] for k in BLOCK_KEYS[name])
+
+
+def component_specs(name: str, variant: str = "", layers: int = 0) -> dict[str, tuple[str, dict[str, Any]]]:
+    """``FULL_CONFIGS[name][variant]`` with every block stack of the transformer cut to ``layers`` blocks.
+
+    ``layers = 0`` keeps the published depth; a stack shallower than ``layers`` keeps its own (FLUX.1 with
+    ``layers = 1``: one double-stream and one single-stream block).
+
+    Raises:
+        ConfigError: unknown model name or variant.
+    """
+    spec = dict(FULL_CONFIGS[name][_resolve(name, variant)])
+    if layers:
+        cls_name, kwargs = spec["transformer"]
+        spec["transformer"] = (cls_name, {**kwargs, **{k: min(layers, kwargs[k]) for k in BLOCK_KEYS[name]}})
+    return spec
+
+
+def construct(cls_name: str, kwargs: dict[str, Any], dtype: torch.dtype) -> torch.nn.Module:
+    """One component of :data:`FULL_CONFIGS`, constructed where the caller's device context says.
+
+    Text encoders are built in ``dtype`` (transformers sets the default dtype while constructing); the
+    diffusers classes take the caller's default dtype.
+    """
     if cls_name in _TEXT_CONFIGS:
         import transformers
 
         config = getattr(transformers, _TEXT_CONFIGS[cls_name])(**kwargs)
-        module = getattr(transformers, cls_name)._from_config(config, dtype=dtype)
-    else:
-        import diffusers
+        return getattr(transformers, cls_name)._from_config(config, dtype=dtype)
+    import diffusers
 
-        module = getattr(diffusers, cls_name)(**kwargs)
+    return getattr(diffusers, cls_name)(**kwargs)
+
+
+def _build(cls_name: str, kwargs: dict[str, Any], dtype: torch.dtype) -> torch.nn.Module:
+    module = construct(cls_name, kwargs, dtype)
     # Meta parameters take whatever dtype the constructor chose: cast so that every byte count follows
     # the configured precision (a past bug: Wan's fp32 norms stayed fp32 while the plan said bf16).
     return cast_quietly(module, dtype).eval()
@@ -142,18 +197,15 @@ def cast_quietly(module: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module
 
 
 def build_full(name: str, variant: str = "", dtype: torch.dtype = torch.bfloat16, *,
-               text_encoders: bool = True) -> FullModel:
-    """Build ``name``'s published architecture at real size on the meta device.
+               text_encoders: bool = True, layers: int = 0) -> FullModel:
+    """Build ``name``'s published architecture at real size on the meta device (``layers``: see
+    :func:`component_specs`).
 
     Raises:
         ConfigError: unknown model name or variant (naming ``model.variant`` and the allowed sizes).
     """
-    if name not in FULL_CONFIGS:
-        raise ConfigError(f"model.name: {name!r} has no full-size config; allowed: {', '.join(FULL_CONFIGS)}")
-    variant = variant or default_variant(name)
-    if variant not in FULL_CONFIGS[name]:
-        raise ConfigError(f"model.variant: {name} has no variant {variant!r}; allowed: {', '.join(VARIANTS[name])}")
-    spec = FULL_CONFIGS[name][variant]
+    variant = _resolve(name, variant)
+    spec = component_specs(name, variant, layers)
     with torch.device("meta"):
         parts = {key: _build(cls, kwargs, dtype) for key, (cls, kwargs) in spec.items()
                  if text_encoders or not key.startswith("text_encoder")}

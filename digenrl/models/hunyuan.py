@@ -33,6 +33,7 @@ from digenrl.models._common import (
     seeded,
     to_device_dtype,
 )
+from digenrl.models._random import build_random_pipeline
 from digenrl.models._text import byte_clip_tokenizer, byte_llama_tokenizer, tiny_clip_text_model, tiny_llama_model
 from digenrl.models.base import Cond
 
@@ -182,13 +183,20 @@ class HunyuanVideoModel(DiffusersGenerator):
         num_frames: int = 1,
         guidance_scale: float | None = None,
         text_len: int | None = None,
+        variant: str = "",
+        layers: int = 0,
+        text_encoder: str = "model",
     ) -> HunyuanVideoModel:
-        """Build the ``tiny``/``small`` preset or load ``pretrained`` weights from ``path`` (offline)."""
+        """Build the ``tiny``/``small`` preset, load ``pretrained`` weights from ``path`` (offline), or build
+        the published architecture with ``random`` weights (``variant``, ``layers``, ``text_encoder``: see
+        ``models/_random.py``). ``pretrained`` and ``random`` share their defaults and all after loading."""
         from diffusers import HunyuanVideoPipeline
 
         g = 6.0 if guidance_scale is None else guidance_scale
-        if preset == "pretrained":
-            pipe = load_pipeline_offline(HunyuanVideoPipeline, path, dtype, device)
+        if preset in ("pretrained", "random"):
+            pipe = (load_pipeline_offline(HunyuanVideoPipeline, path, dtype, device) if preset == "pretrained" else
+                    build_random_pipeline(cls.name, variant=variant, layers=layers, text_encoder=text_encoder,
+                                          device=device, dtype=dtype, seed=seed))
             h, w = resolution or (480, 480)
             return cls(pipe, height=h, width=w, num_frames=num_frames, guidance_scale=g, text_len=text_len or 256)
         pipe = to_device_dtype(build_hunyuan_pipeline(preset, seed), device, dtype)

@@ -37,6 +37,7 @@ from digenrl.models._common import (
     to_device_dtype,
     unpack_2x2,
 )
+from digenrl.models._random import build_random_pipeline
 from digenrl.models._text import byte_qwen2_tokenizer, tiny_qwen25vl_text_encoder
 from digenrl.models.base import Cond
 
@@ -227,12 +228,19 @@ class QwenImageModel(DiffusersGenerator):
         resolution: tuple[int, int] | None = None,
         guidance_scale: float | None = None,
         text_len: int | None = None,
+        variant: str = "",
+        layers: int = 0,
+        text_encoder: str = "model",
     ) -> QwenImageModel:
-        """Build the ``tiny``/``small`` preset or load ``pretrained`` weights from ``path`` (offline)."""
+        """Build the ``tiny``/``small`` preset, load ``pretrained`` weights from ``path`` (offline), or build
+        the published architecture with ``random`` weights (``variant``, ``layers``, ``text_encoder``: see
+        ``models/_random.py``). ``pretrained`` and ``random`` share their defaults and all after loading."""
         from diffusers import QwenImagePipeline
 
-        if preset == "pretrained":
-            pipe = load_pipeline_offline(QwenImagePipeline, path, dtype, device)
+        if preset in ("pretrained", "random"):
+            pipe = (load_pipeline_offline(QwenImagePipeline, path, dtype, device) if preset == "pretrained" else
+                    build_random_pipeline(cls.name, variant=variant, layers=layers, text_encoder=text_encoder,
+                                          device=device, dtype=dtype, seed=seed))
             h, w = resolution or (512, 512)
             return cls(pipe, height=h, width=w, guidance_scale=4.0 if guidance_scale is None else guidance_scale,
                        text_len=text_len or 512)

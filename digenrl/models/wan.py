@@ -33,6 +33,7 @@ from digenrl.models._common import (
     seeded,
     to_device_dtype,
 )
+from digenrl.models._random import build_random_pipeline
 from digenrl.models._text import byte_t5_tokenizer, tiny_umt5_encoder
 from digenrl.models.base import Cond
 
@@ -181,13 +182,20 @@ class WanModel(DiffusersGenerator):
         num_frames: int = 1,
         guidance_scale: float | None = None,
         text_len: int | None = None,
+        variant: str = "",
+        layers: int = 0,
+        text_encoder: str = "model",
     ) -> WanModel:
-        """Build the ``tiny``/``small`` preset or load ``pretrained`` weights from ``path`` (offline)."""
+        """Build the ``tiny``/``small`` preset, load ``pretrained`` weights from ``path`` (offline), or build
+        the published architecture with ``random`` weights (``variant``, ``layers``, ``text_encoder``: see
+        ``models/_random.py``). ``pretrained`` and ``random`` share their defaults and all after loading."""
         from diffusers import WanPipeline
 
         g = 4.5 if guidance_scale is None else guidance_scale
-        if preset == "pretrained":
-            pipe = load_pipeline_offline(WanPipeline, path, dtype, device)
+        if preset in ("pretrained", "random"):
+            pipe = (load_pipeline_offline(WanPipeline, path, dtype, device) if preset == "pretrained" else
+                    build_random_pipeline(cls.name, variant=variant, layers=layers, text_encoder=text_encoder,
+                                          device=device, dtype=dtype, seed=seed))
             h, w = resolution or (480, 832)
             return cls(pipe, height=h, width=w, num_frames=num_frames, guidance_scale=g, text_len=text_len or 512)
         pipe = to_device_dtype(build_wan_pipeline(preset, seed), device, dtype)

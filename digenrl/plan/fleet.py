@@ -21,7 +21,12 @@ device type), and ranks them by predicted steady samples/s:
    ``tolerance``, the simulator's measured error (``plan --costs``: the report's ``placement_error``, the
    error of its costs on the ratio of two splits the bench ran; ``plan_error`` in reports before it).
 
-Candidates are priced with linear activation traces (two traced batch sizes per curve): on the meta
+Tokens are priced with the fitted utilisations on the config's own profile (:func:`config_profile`:
+its model at ``model.variant``, resolution, frames, text length, CFG passes, trainable set), or with the
+costs a ``bench bubbles --real`` report measured (``measured``, one device type); ``FleetPlan.cost_source``
+says which. A bench scenario (``plan_scenario``) is priced with the scenario's profile, as its rows are.
+
+Candidates' memory is priced with linear activation traces (two traced batch sizes per curve): on the meta
 device a pass's peak is exactly affine in its batch (every activation scales with it; a test compares
 with exact traces), so this is the memory plan's own figure, not an approximation. Each simulation runs ``batches`` optimizer
 steps (default 6: one warm-up, five steady); the best five are simulated again over 20 (a short run's
@@ -44,10 +49,12 @@ from digenrl.config import Config, load_config, resolve_shard
 from digenrl.errors import ConfigError
 from digenrl.plan.memory import GB, MemoryPlan, Traces, memory_plan, traces_for
 from digenrl.sim.measured import MeasuredCost
+from digenrl.sim.profiles import PROFILES, ModelProfile
 from digenrl.sim.scenarios import PlannedSplit, Scenario
 from digenrl.sim.user import ARCH_OF_MODEL, Pool
 
-__all__ = ["Candidate", "FleetPlan", "plan_fleet", "plan_scenario", "scenario_config", "write_config"]
+__all__ = ["Candidate", "FleetPlan", "config_profile", "plan_fleet", "plan_scenario", "scenario_config",
+           "write_config"]
 
 # The shipped config of each simulator profile: what a scenario is planned with (its memory plan).
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
@@ -94,14 +101,63 @@ class FleetPlan:
     unused: list[str]
     notes: list[str]
     split_best: list[Candidate] = field(default_factory=list)  # per_split: the best of each split, best first
+    cost_source: str = ""  # what priced the tokens (``sim.calibration.cost_source``)
+    profile: dict[str, Any] | None = None  # the model profile priced (None: measured costs)
 
     @property
     def best(self) -> Candidate:
         return self.candidates[0]
 
     def to_json(self) -> dict[str, Any]:
-        return {"candidates": [c.to_json() for c in self.candidates], "simulations": self.simulations,
+        return {"cost_source": self.cost_source, "profile": self.profile,
+                "candidates": [c.to_json() for c in self.candidates], "simulations": self.simulations,
                 "unused": self.unused, "notes": self.notes, "split_best": [c.to_json() for c in self.split_best]}
+
+
+def _profile_json(prof: ModelProfile) -> dict[str, Any]:
+    s = prof.shape
+    return {"name": prof.name, "arch": prof.arch, "variant": prof.size, "layers": prof.layers, "recipe": prof.recipe,
+            "latent": [s.latent_frames, s.latent_height, s.latent_width], "text_tokens": s.text_tokens,
+            "passes_per_step": prof.cfg_rollout, "trainable_params": prof.trainable_params,
+            "forward_flops": prof.forward_flops}
+
+
+def config_profile(cfg: Config, traces: Traces | None = None) -> ModelProfile:
+    """The profile that prices ``cfg``'s tokens (``sim.profiles.model_profile`` of its ``[model]``: model,
+    variant, ``layers``, resolution, frames, text length, CFG), its transformer and trainable set as the memory
+    plan counts them (the model and peft's targets on the meta device).
+
+    Raises:
+        ConfigError: a preset the profiles do not price (a tiny model), before anything is traced.
+    """
+    from digenrl.sim.profiles import model_profile
+
+    model_profile(cfg.model)
+    plan = memory_plan(cfg, traces)
+    trainer = plan.roles.get("trainer") or next(iter(plan.roles.values()))
+    return model_profile(cfg.model, trainer.trainable_params, plan.transformer_params)
+
+
+def _measured_note(cfg: Config, measured: MeasuredCost) -> str:
+    """What the measured costs charge, term by term."""
+    fits = measured.fits
+    extra = [f"per-token overhead {measured.dispatch_s * 1e3:.2f} ms"]
+    if "optim" in fits:
+        extra.append(f"optimizer step {fits['optim'][0] * 1e3:.1f} ms"
+                     + (f" + all-reduce {measured.allreduce.seconds(2) * 1e3:.2f} ms for 2 trainers"
+                        if measured.allreduce else ""))
+    if "publish" in fits:
+        extra.append(f"publication {fits['publish'][0] * 1e3:.1f} ms")
+    if measured.contention is not None:
+        c = measured.contention
+        extra.append(f"{c.cores} cores shared, slowdown " + ", ".join(
+            [f"{f:.2f}x at {n} busy" for n, f in sorted(c.slowdown.items())]
+            + [f"{f:.2f}x for {k}" for k, f in sorted(c.mix.items())]))
+    terms = [f"{k} {o * 1e3:.2f} ms + {p * 1e3:.3f} ms/unit" + (f" + {measured.step_s * 1e3:.3f} ms/step"
+                                                               if k == "rollout" else "")
+             for k, (o, p) in sorted(fits.items()) if p]
+    return (f"simulated with the token costs measured by `bench bubbles --real` on this device type "
+            f"({', '.join(terms)}; {', '.join(extra)}); memory from {cfg.model.name} at its configured resolution")
 
 
 def _variant(cfg: Config, rollout: dict[str, int], trainer: dict[str, int], tag_steps: int, fragment_groups: int,
@@ -110,7 +166,8 @@ def _variant(cfg: Config, rollout: dict[str, int], trainer: dict[str, int], tag_
     n_roll, n_train = sum(rollout.values()), sum(trainer.values())
     gpu = _smallest(trainer)
     rollout_gpu = _smallest(rollout) if n_roll else ""
-    place = replace(cfg.placement, rollout=n_roll, trainer=n_train, gpu=gpu,
+    # A fleet's device hosts one actor: the split counts devices (actors_per_gpu = 1)
+    place = replace(cfg.placement, rollout=n_roll, trainer=n_train, gpu=gpu, actors_per_gpu=1,
                     rollout_gpu="" if rollout_gpu == gpu else rollout_gpu,
                     workers=(n_roll + n_train + cfg.placement.reward) if cfg.placement.workers else 0)
     sched = replace(cfg.schedule, tag_steps=tag_steps, fragment_groups=fragment_groups)
@@ -148,11 +205,15 @@ def _max_rows(cfg: Config, traces: Traces, cap_rows: int) -> tuple[int, MemoryPl
 
 def plan_fleet(cfg: Config, pools: tuple[Pool, ...], *, top: int = 5, batches: int = 6,
                final_batches: int = 20, measured: MeasuredCost | None = None, tolerance: float = 0.0,
-               per_split: bool = False) -> FleetPlan:
+               per_split: bool = False, prof: ModelProfile | None = None) -> FleetPlan:
     """Search placements of ``cfg`` on ``pools`` (see the module docstring); best first.
 
     ``measured``: price tokens with costs measured on the fleet's device (``bench bubbles --real``)
-    instead of the model's GPU profile: a plan for the very machine the bench ran on (one pool type).
+    instead of the model's GPU profile: a plan for the very machine the bench ran on (pools of the one
+    device type it measured).
+
+    ``prof``: the model profile the fitted cost model prices (default: :func:`config_profile`, the
+    config's model at its variant, resolution, frames and text length).
 
     ``tolerance``: the simulator's measured relative error. When the fleet has as many devices as the
     config places, the config's own placement (its split and token sizes, "shipped") is always among
@@ -163,58 +224,40 @@ def plan_fleet(cfg: Config, pools: tuple[Pool, ...], *, top: int = 5, batches: i
     ``split_best`` (``bench bubbles --real --plan-check`` runs each split's best for real).
 
     Raises:
-        ConfigError: no placement fits the fleet's memory, or the schedule cannot use the fleet.
+        ConfigError: no placement fits the fleet's memory, the schedule cannot use the fleet, the model's
+            preset has no FLOP profile (without ``measured``), or ``measured`` does not price the fleet's
+            device types.
     """
     from digenrl.policy import trained_steps
     from digenrl.schedule import make_schedule
     from digenrl.schedule.base import Device, Role, Workload
     from digenrl.schedule.options import PRESETS, resolve, with_overrides
-    from digenrl.sim.calibration import calibrated_params
+    from digenrl.sim.calibration import calibrated_params, cost_source
     from digenrl.sim.bench import pool_bubbles
     from digenrl.sim.cost import CostModel
     from digenrl.sim.devices import device_spec
     from digenrl.sim.engine import simulate
-    from digenrl.sim.profiles import profile
     from digenrl.telemetry.stats import summarize
 
     if cfg.schedule.name == "colocated":
         raise ConfigError("schedule.name: 'colocated' has no split to search; plan an actor schedule (e.g. async1)")
     ro = cfg.rollout
-    arch = ARCH_OF_MODEL[cfg.model.name]
-    prof = profile(arch)
     params = calibrated_params()
     workload = Workload(batches, ro.prompts_per_batch, ro.group_size, ro.num_steps, trained_steps(cfg))
     tag = PRESETS[cfg.schedule.name].tag
+    if measured is not None:  # before anything is built
+        measured.check_fleet({p.device for p in pools}, "the fleet " + "+".join(f"{p.count}x{p.device}" for p in pools))
     traces = traces_for(cfg, linear=True)
-    notes = [f"simulated with the {prof.name} profile (paper resolution) and the calibrated cost model; "
-             f"memory from {cfg.model.name} {cfg.model.variant or ''} at its configured resolution".replace("  ", " ")]
+    memory = f"memory from {cfg.model.name} {cfg.model.variant} at its configured resolution".replace("  ", " ")
     if measured is not None:
-        if len({p.device for p in pools}) > 1:
-            raise ConfigError("--costs: measured costs are those of one machine; plan a fleet of one device type "
-                              f"with them (got {', '.join(sorted({p.device for p in pools}))})")
-        fits = measured.fits
-        extra = [f"per-token overhead {measured.dispatch_s * 1e3:.2f} ms"]
-        if "optim" in fits:
-            extra.append(f"optimizer step {fits['optim'][0] * 1e3:.1f} ms"
-                         + (f" + all-reduce {measured.allreduce.seconds(2) * 1e3:.2f} ms for 2 trainers"
-                            if measured.allreduce else ""))
-        if "publish" in fits:
-            extra.append(f"publication {fits['publish'][0] * 1e3:.1f} ms")
-        if measured.contention is not None:
-            c = measured.contention
-            extra.append(f"{c.cores} cores shared, slowdown " + ", ".join(
-                [f"{f:.2f}x at {n} busy" for n, f in sorted(c.slowdown.items())]
-                + [f"{f:.2f}x for {k}" for k, f in sorted(c.mix.items())]))
-        terms = [f"{k} {o * 1e3:.2f} ms + {p * 1e3:.3f} ms/unit" + (f" + {measured.step_s * 1e3:.3f} ms/step"
-                                                                   if k == "rollout" else "")
-                 for k, (o, p) in sorted(fits.items()) if p]
-        notes[0] = (f"simulated with the token costs measured by `bench bubbles --real` on this device type "
-                    f"({', '.join(terms)}; {', '.join(extra)}); memory from {cfg.model.name} at its configured "
-                    "resolution")
-        notes += [f"measured costs: {n}" for n in measured.notes]
+        notes = [_measured_note(cfg, measured)] + [f"measured costs: {n}" for n in measured.notes]
+        fitted = prof or PROFILES[ARCH_OF_MODEL[cfg.model.name]]  # unused: the measured costs price every token
+    else:
+        fitted = prof or config_profile(cfg, traces)
+        notes = [f"tokens priced on the {fitted.name} profile ({fitted.recipe}); " + memory if prof else
+                 f"{memory} (the memory plan), tokens on the same shapes (the {fitted.name} profile)"]
+    source = cost_source(fitted, measured, params)
     ref = device_spec("H800").peak_bf16_flops
-    if cfg.model.name == "wan21" and cfg.model.variant == "1.3B":
-        notes.append("the simulator's Wan profile is the 14B model: samples/s are those of 14B compute, memory is 1.3B's")
 
     # -- which device types may hold which role (memory at the smallest token sizes) ----------------
     n_total = sum(p.count for p in pools)
@@ -298,7 +341,7 @@ def plan_fleet(cfg: Config, pools: tuple[Pool, ...], *, top: int = 5, batches: i
             roles[name] = Role.ROLLOUT if i < r else Role.TRAINER
         # measured costs are already this device's seconds: speed 1
         devices = [Device(n, roles[n], 1.0 if measured else specs[n].peak_bf16_flops / ref) for n in names]
-        cost = measured or CostModel(prof, specs, params, roles)
+        cost: MeasuredCost | CostModel = measured or CostModel(fitted, specs, params, roles)
         schedule = make_schedule(cfg.schedule.name, devices, w, cost, tag_steps=cand.tag_steps,
                                  **({"tag": False} if tag and not trainers_generate(len(order) - r) else {}),
                                  fragment_groups=cand.fragment_groups,
@@ -406,28 +449,34 @@ def plan_fleet(cfg: Config, pools: tuple[Pool, ...], *, top: int = 5, batches: i
         for c in unique:
             if all(b.ident[:2] != c.ident[:2] for b in split_best):
                 split_best.append(c)
-    return FleetPlan(shown, simulations, unused, notes, split_best)
+    return FleetPlan(shown, simulations, unused, notes, split_best, source,
+                     _profile_json(fitted) if measured is None else None)
 
 
 def scenario_config(sc: Scenario) -> Config:
-    """The shipped config of ``sc``'s model with the scenario's batch (prompts x G, steps, trained steps)."""
+    """The shipped config of ``sc``'s model at the scenario's size (``model.variant``) with the scenario's batch
+    (prompts x G, steps, trained steps); its resolution stays the config's (what the memory plan checks)."""
     return load_config(CONFIGS / f"{_CONFIG_OF_ARCH[sc.model]}.toml",
-                       [f"rollout.prompts_per_batch={sc.prompts}", f"rollout.group_size={sc.group_size}",
+                       [f'model.variant="{sc.profile.size}"',
+                        f"rollout.prompts_per_batch={sc.prompts}", f"rollout.group_size={sc.group_size}",
                         f"rollout.num_steps={sc.num_steps}", 'rollout.steps="window"',
                         f"rollout.window={sc.trained_steps}"])
 
 
-def plan_scenario(sc: Scenario, pools: tuple[Pool, ...] | None = None, *, final_batches: int = 20
-                  ) -> tuple[PlannedSplit, FleetPlan]:
-    """The best placement of a bench scenario (``scenario_config``) on its fleet, as a ``PlannedSplit``.
+def plan_scenario(sc: Scenario, pools: tuple[Pool, ...] | None = None, *, final_batches: int = 20,
+                  measured: MeasuredCost | None = None) -> tuple[PlannedSplit, FleetPlan]:
+    """The best placement of a bench scenario (``scenario_config``) on its fleet, as a ``PlannedSplit``,
+    its tokens priced as the bench prices the scenario's rows: the scenario's profile, or ``measured``.
 
     ``pools``: the scenario's pools with their allowed roles (a user scenario file's); default: any role.
 
     Raises:
-        ConfigError: no placement fits (e.g. a fragment's samples cannot be decoded on one device).
+        ConfigError: no placement fits (e.g. a fragment's samples cannot be decoded on one device), or
+            ``measured`` does not price the scenario's device types.
     """
     cfg = scenario_config(sc)
-    result = plan_fleet(cfg, pools or tuple(Pool(t, n) for t, n in sc.pools), final_batches=final_batches)
+    result = plan_fleet(cfg, pools or tuple(Pool(t, n) for t, n in sc.pools), final_batches=final_batches,
+                        measured=measured, prof=sc.profile)
     best = result.best
     options = {k: v for k, v in cfg.schedule_options.items() if k not in ("tag_steps", "fragment_groups")}
     options.update(tag_steps=best.tag_steps, fragment_groups=best.fragment_groups)
@@ -453,8 +502,9 @@ def _toml_value(value: Any) -> str:
     raise TypeError(f"cannot write {value!r} to TOML")
 
 
-def write_config(source: Path, overrides: list[str], cand: Candidate, out: Path) -> Config:
-    """Write ``source`` (with ``overrides``) as a runnable config with the candidate's placement and sizes.
+def write_config(source: Path, overrides: list[str], cand: Candidate, out: Path, cost_source: str = "") -> Config:
+    """Write ``source`` (with ``overrides``) as a runnable config with the candidate's placement and sizes
+    (its header comment names ``cost_source``, what priced the prediction).
 
     Returns the written config, loaded back (so validated) from ``out``.
     """
@@ -474,6 +524,8 @@ def write_config(source: Path, overrides: list[str], cand: Candidate, out: Path)
     lines = [f"# written by `digenrl plan {source} --fleet ...`: {cand.split}, predicted "
              f"{cand.samples_per_s:.3f} samples/s (simulator), bubbles rollout {cand.bubble_rollout:.1%} / trainer "
              f"{cand.bubble_trainer:.1%}, staleness {cand.staleness}"]
+    if cost_source:
+        lines.append(f"# costs: {cost_source}")
     for table, values in data.items():
         if not isinstance(values, dict):
             lines.insert(1, f"{table} = {_toml_value(values)}")

@@ -1,7 +1,7 @@
 """The memory plan: what each role holds on each of its devices, and whether it fits.
 
-``memory_plan(cfg)`` builds the configured model on the meta device (preset ``pretrained`` or ``full``:
-the published architecture at real size, ``models/full.py``; ``tiny``/``small``: that preset) and
+``memory_plan(cfg)`` builds the configured model on the meta device (preset ``pretrained``, ``full`` or
+``random``: the published architecture at real size, ``models/full.py``; ``tiny``/``small``: that preset) and
 counts, per role:
 
 * weights: the transformer in ``model.dtype`` (trainers: divided over the group under FSDP, plus a
@@ -34,7 +34,7 @@ import torch
 from digenrl.config import Config
 from digenrl.errors import ConfigError
 
-__all__ = ["RESERVE_BYTES", "RoleMemory", "MemoryPlan", "memory_plan", "check_memory", "device_capacity"]
+__all__ = ["SharedGpu", "planned_vs_measured", "RESERVE_BYTES", "RoleMemory", "MemoryPlan", "memory_plan", "check_memory", "device_capacity"]
 
 GB = 1e9
 RESERVE_BYTES = int(2 * GB)  # CUDA context (~0.5 GB) + caching-allocator fragmentation
@@ -103,10 +103,11 @@ class MemoryPlan:
     rollout_forward: int = 0  # one no-grad forward of a rollout token's samples
     decode_sample: int = 0  # decoding one sample (rollout.decode_batch of them at once)
     decode_samples: int = 0  # samples decoded at once now
+    shared: list[SharedGpu] = field(default_factory=list)  # GPUs that several actors share (placement.actors_per_gpu)
 
     @property
     def fits(self) -> bool:
-        return all(r.fits for r in self.roles.values())
+        return all(r.fits for r in self.roles.values()) and all(g.fits for g in self.shared)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -117,8 +118,34 @@ class MemoryPlan:
             "train": {"shard": self.shard, "rows_per_pass": self.rows_per_pass},
             "activations": self.activations,
             "roles": {name: r.to_json() for name, r in self.roles.items()},
+            **({"shared_gpus": [g.to_json() for g in self.shared]} if self.shared else {}),
             "fits": self.fits,
         }
+
+
+@dataclass
+class SharedGpu:
+    """One GPU that several actor processes share: what they hold there together.
+
+    Each process pays its own CUDA context and allocator slack (``RESERVE_BYTES``).
+    """
+
+    gpu: int
+    roles: list[str]
+    bytes: int  # the sum of the roles' bytes per device
+    capacity: int
+    device: str
+
+    @property
+    def headroom(self) -> int:
+        return self.capacity - len(self.roles) * RESERVE_BYTES - self.bytes
+
+    @property
+    def fits(self) -> bool:
+        return self.headroom >= 0
+
+    def to_json(self) -> dict[str, Any]:
+        return {**asdict(self), "headroom": self.headroom, "fits": self.fits}
 
 
 def device_capacity(cfg: Config, role: str = "trainer") -> tuple[str, int]:
@@ -134,16 +161,21 @@ def device_capacity(cfg: Config, role: str = "trainer") -> tuple[str, int]:
 
 def _components(cfg: Config, dtype: torch.dtype) -> Any:
     m = cfg.model
-    return _build_components(m.name, m.variant, m.preset, m.seed, dtype)
+    return _build_components(m.name, m.variant, m.preset, m.seed, dtype, m.layers, m.text_encoder)
 
 
 @functools.lru_cache(maxsize=4)
-def _build_components(name: str, variant: str, preset: str, seed: int, dtype: torch.dtype) -> Any:
-    """The model's parts on the meta device (cached: a plan search asks for them per candidate)."""
+def _build_components(name: str, variant: str, preset: str, seed: int, dtype: torch.dtype, layers: int = 0,
+                      text_encoder: str = "model") -> Any:
+    """The model's parts on the meta device (cached: a plan search asks for them per candidate).
+
+    ``random`` is the published architecture, as ``pretrained`` and ``full``: the same plan, less the text
+    encoders under ``model.text_encoder = "random-embeds"``, with the blocks ``model.layers`` keeps.
+    """
     from digenrl.models.full import FullModel, build_full, cast_quietly
 
-    if preset in ("pretrained", "full"):
-        return build_full(name, variant, dtype)
+    if preset in ("pretrained", "full", "random"):
+        return build_full(name, variant, dtype, layers=layers, text_encoders=text_encoder == "model")
     import importlib
 
     module = {"qwenimage": "qwenimage", "flux": "flux", "wan21": "wan", "hunyuanvideo": "hunyuan"}[name]
@@ -226,7 +258,7 @@ class Traces:
         m = cfg.model
         self.cfg, self.parts, self.dtype, self.linear = cfg, parts, dtype, linear
         self.branches = _cfg_branches(cfg)
-        self.text_len = m.text_len or (_TEXT_LEN[m.name] if m.preset in ("pretrained", "full") else 32)
+        self.text_len = m.text_len or (_TEXT_LEN[m.name] if m.preset in ("pretrained", "full", "random") else 32)
         self._memo: dict[tuple[str, int], int] = {}
 
     def _trace(self, kind: str, rows: int) -> int:
@@ -343,10 +375,24 @@ def memory_plan(cfg: Config, traces: Traces | None = None) -> MemoryPlan:
                                          notes=["reward models are not planned (OCR runs on the host, remote "
                                                 "rewards on their own servers)"])
     return MemoryPlan(m.name, getattr(parts, "variant", ""), m.preset, device, capacity, shard, n_transformer, n_text,
-                      n_vae, rows, ACTIVATIONS_METHOD, roles,
+                      n_vae, rows, ACTIVATIONS_METHOD, roles, shared=_shared_gpus(cfg, roles),
                       train_row_bytes=(train_act - one_row_act) // (rows - 1) if rows > 1 else one_row_act,
                       train_activations=train_act, rollout_forward=forward_act, decode_sample=decode_act,
                       decode_samples=min(roll_samples, cfg.rollout.decode_batch or roll_samples))
+
+
+def _shared_gpus(cfg: Config, roles: dict[str, RoleMemory]) -> list[SharedGpu]:
+    """The GPUs where ``placement.actors_per_gpu`` puts several actors, as the run places them (``gpu_of``)."""
+    place = cfg.placement
+    if place.gpus == place.actors or cfg.schedule.name == "colocated" or not cfg.model.device.startswith("cuda"):
+        return []
+    out = []
+    for gpu, on in enumerate(place.roles_by_gpu()):
+        if len(on) > 1:
+            first = roles.get(on[0]) or roles["trainer"]
+            out.append(SharedGpu(gpu, on, sum(roles[r].bytes_per_device for r in on if r in roles), first.capacity,
+                                 first.device))
+    return out
 
 
 def _decode_advice(plan: MemoryPlan, r: RoleMemory) -> str:
@@ -413,6 +459,24 @@ def _advice(cfg: Config, plan: MemoryPlan, r: RoleMemory) -> str:
     return "change placement.gpu"
 
 
+def planned_vs_measured(plan: MemoryPlan, peaks: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each CUDA actor's measured peak (a run's ``summary.json`` ``peak_memory``) beside its role's plan.
+
+    ``ratio`` = measured allocated / planned bytes per device (1: the plan was exact; the CUDA context is
+    outside both). CPU processes report their resident set, which is not comparable: left out.
+    """
+    out = []
+    for actor, peak in peaks.items():
+        role = plan.roles.get(actor if actor in plan.roles else actor.rsplit("-", 1)[0])
+        if role is None or "allocated" not in peak:
+            continue
+        planned = role.bytes_per_device
+        out.append({"actor": actor, "role": role.role, "device": peak["device"], "planned": planned,
+                    "allocated": peak["allocated"], "reserved": peak["reserved"],
+                    "ratio": peak["allocated"] / planned if planned else None})
+    return out
+
+
 def check_memory(cfg: Config, plan: MemoryPlan | None = None) -> MemoryPlan:
     """The plan of ``cfg``, or a ConfigError for the first role that does not fit its device.
 
@@ -428,4 +492,13 @@ def check_memory(cfg: Config, plan: MemoryPlan | None = None) -> MemoryPlan:
                 f"{r.trainable / GB:.1f}, grads {r.grads / GB:.1f}, optimizer {r.optimizer / GB:.1f}, activations "
                 f"{r.activations / GB:.1f}, VAE {r.vae / GB:.1f}, text encoders {r.text_encoders / GB:.1f}); "
                 f"{_advice(cfg, plan, r)} (see `digenrl plan`)")
+    for g in plan.shared:
+        if not g.fits:
+            each = ", ".join(f"{role} {plan.roles[role].bytes_per_device / GB:.1f}" for role in g.roles
+                             if role in plan.roles)
+            raise ConfigError(
+                f"memory: placement.actors_per_gpu = {cfg.placement.actors_per_gpu} puts {' + '.join(g.roles)} on "
+                f"one {g.device} (GPU {g.gpu}): {g.bytes / GB:.1f} GB ({each}) and {len(g.roles)} x "
+                f"{RESERVE_BYTES / GB:.1f} GB of CUDA context and slack, but it has {g.capacity / GB:.1f} GB; "
+                f"change placement.actors_per_gpu = 1 (a GPU each), or shrink the roles as `digenrl plan` says")
     return plan

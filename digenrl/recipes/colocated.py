@@ -48,6 +48,7 @@ from digenrl.rl.steps import plan_steps
 from digenrl.rl.tsp import packed_backward, parity_recompute
 from digenrl.schedule.base import Device, Role, Workload
 from digenrl.telemetry.live import LiveDisplay
+from digenrl.telemetry.memory import peak_memory
 from digenrl.telemetry.metrics import LOSS_KEYS, MetricsLog, StepMetrics, parity_fields, parity_warning
 from digenrl.telemetry.spans import SpanLog
 from digenrl.telemetry.stats import run_stats
@@ -356,7 +357,8 @@ def _write_timeline(run: ColocatedRun, out: Path, base: int) -> None:
                         trained_steps(cfg))
     result = run.spans.timeline(cfg.schedule.name, [DEVICE], workload, time.time() - run.spans.t0)
     write_artifacts(out, result, cfg.log.trace, cfg.log.gantt)
-    (out / "summary.json").write_text(json.dumps({**run_stats(result), "lost_devices": [], "admitted": []},
+    (out / "summary.json").write_text(json.dumps({**run_stats(result), "lost_devices": [], "admitted": [],
+                                                  "peak_memory": {DEVICE.name: peak_memory(cfg.model.device)}},
                                                  indent=1))
 
 

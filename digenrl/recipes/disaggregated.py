@@ -87,12 +87,13 @@ class Cluster:
         return [d.name for d in self.devices if d.role is role]
 
 
-def _on_gpu(conf: dict[str, Any], k: int) -> dict[str, Any]:
-    """Actor ``k``'s config: with ``model.device = "cuda"``, GPU ``k mod count`` of this host (one per actor)."""
-    device = conf["model"]["device"]
-    if device != "cuda" or not torch.cuda.is_available():
+def _on_gpu(cfg: Config, conf: dict[str, Any], k: int) -> dict[str, Any]:
+    """Actor ``k``'s config: with ``model.device = "cuda"``, its GPU of this host (``placement.gpu_of``: the
+    preflight made sure the host has ``placement.gpus`` of them; the memory plan checks what shares one)."""
+    if conf["model"]["device"] != "cuda" or not torch.cuda.is_available():
         return conf
-    return {**conf, "model": {**conf["model"], "device": f"cuda:{k % torch.cuda.device_count()}"}}
+    gpu = cfg.placement.gpu_of(k) % torch.cuda.device_count()
+    return {**conf, "model": {**conf["model"], "device": f"cuda:{gpu}"}}
 
 
 def _staleness(cfg: Config) -> int:
@@ -164,7 +165,7 @@ async def start_cluster(system: ActorSystem, cfg: Config, version: int = 0, laun
         workers = await _wait_for_workers(system, place.workers, place.join_timeout)
         spawns = [system.spawn(cls, *args, name=name, on=w) for (name, _, cls, args), w in zip(plan, workers)]
     else:
-        plan = [(name, role, cls, (_on_gpu(conf, k), *args[1:])) for k, (name, role, cls, args) in enumerate(plan)]
+        plan = [(name, role, cls, (_on_gpu(cfg, conf, k), *args[1:])) for k, (name, role, cls, args) in enumerate(plan)]
         spawns = [system.spawn(cls, *args, name=name, process=process) for name, _, cls, args in plan]
     # Spawned together: each process spends seconds importing torch, so their imports overlap.
     refs_list = await asyncio.gather(*spawns)
@@ -312,8 +313,16 @@ async def arun_disaggregated(cfg: Config, out_dir: str | Path | None = None, res
                 write_artifacts(out, result, logc.trace, logc.gantt)
                 (out / "summary.json").write_text(json.dumps({**run_stats(result),
                                                               "lost_devices": coordinator.lost_devices,
-                                                              "admitted": coordinator.admitted}, indent=1))
+                                                              "admitted": coordinator.admitted,
+                                                              "peak_memory": await _peaks(cluster)}, indent=1))
     return history
+
+
+async def _peaks(cluster: Cluster) -> dict[str, dict[str, Any]]:
+    """Every live actor's peak memory (``summary.json``: beside what the memory plan predicts for its role)."""
+    names = [d.name for d in cluster.devices if not cluster.is_dead(d.name)]
+    peaks = await asyncio.gather(*(cluster.refs[n].memory_peak.call() for n in names), return_exceptions=True)
+    return {n: p for n, p in zip(names, peaks, strict=True) if isinstance(p, dict)}  # (one that died since: none)
 
 
 def run_disaggregated(cfg: Config, out_dir: str | Path | None = None, resume: str | Path | None = None, *,

@@ -74,7 +74,8 @@ class Bundle:
 
 
 def plan_bundles(cfg: Config, actors: list[tuple[str, Role, type]]) -> list[Bundle]:
-    """A bundle per actor: ``placement.actor_threads`` CPUs, one GPU on cuda, plus the role's resources.
+    """A bundle per actor: ``placement.actor_threads`` CPUs, a GPU on cuda (``1 / placement.actors_per_gpu`` of
+    one), plus the role's resources.
 
     ``accelerator_type = "L40S"`` becomes Ray's ``accelerator_type:L40S`` resource (what nodes with
     that GPU advertise), ``num_cpus``/``num_gpus`` replace the defaults, other keys are custom
@@ -85,7 +86,8 @@ def plan_bundles(cfg: Config, actors: list[tuple[str, Role, type]]) -> list[Bund
              Role.TRAINER: place.trainer_resources}
     out = []
     for name, role, cls in actors:
-        res: dict[str, float] = {"CPU": float(place.actor_threads), **({"GPU": 1.0} if gpu else {})}
+        # placement.actors_per_gpu > 1: fractional GPUs, which Ray packs onto one device
+        res: dict[str, float] = {"CPU": float(place.actor_threads), **({"GPU": 1.0 / place.actors_per_gpu} if gpu else {})}
         for key, value in extra[role].items():
             if key == "accelerator_type":
                 res[f"accelerator_type:{value}"] = 0.001  # Ray's own convention for accelerator_type=

@@ -31,6 +31,7 @@ from digenrl.models import GeneratorModel
 from digenrl.policy import build_model, prepare_for_generation
 from digenrl.roles.fragments import FragmentData, FragmentEngine, probe_velocity
 from digenrl.roles.weights import CommReceiver, WeightStore, unpack_buckets
+from digenrl.telemetry.memory import peak_memory
 
 __all__ = ["GenerationMixin", "RolloutActor", "limit_threads"]
 
@@ -85,6 +86,11 @@ class GenerationMixin:
         """Learn the refs of actors added to the running run (a rollout actor that joined); returns the names known."""
         self.peers.update(peers)
         return sorted(self.peers)
+
+    @endpoint(control=True)
+    async def memory_peak(self) -> dict[str, Any]:
+        """This process's peak memory so far (:func:`~digenrl.telemetry.memory.peak_memory` on its model's device)."""
+        return peak_memory(str(self.cfg.model.device))
 
     @endpoint(control=True)
     async def take_fragment(self, batch: int, index: int) -> dict[str, Any]:

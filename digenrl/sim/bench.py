@@ -5,6 +5,12 @@ model, and with ``out`` writes ``bubbles.json``, one Chrome trace per pair and o
 scenario. Rows use the steady window (warm-up batch excluded); the ``full`` block has ``[0, wall]``.
 A "schedule" is one of digenrl's (``SCHEDULES``) or a peer modelled in ``peers.py`` (``PEERS``); with
 ``async1`` selected each scenario also gets the decomposition of ``decompose.py``.
+
+Costs: the fitted veRL-Omni utilisations on each scenario's profile (its model at its size), or, with
+``measured`` (``--costs``), the token costs a ``bench bubbles --real`` report measured, for scenarios whose
+pools are all of the device type it measured. Peers and the decomposition are changes to the fitted cost
+model (recompute, switches, lending) that measured costs cannot express, so they run only without it.
+Every row, and the report, names its cost source (``cost_source``).
 """
 
 from __future__ import annotations
@@ -18,12 +24,13 @@ from typing import Any
 from digenrl.errors import ConfigError
 from digenrl.schedule import SCHEDULES, make_schedule
 from digenrl.schedule.base import Role
-from digenrl.sim.calibration import calibrate
+from digenrl.sim.calibration import calibrate, cost_source, fitted_source
 from digenrl.sim.decompose import decompose
 from digenrl.sim.engine import simulate
+from digenrl.sim.measured import MeasuredCost
 from digenrl.sim.peers import PEERS, simulate_peer
-from digenrl.sim.profiles import profile
-from digenrl.sim.scenarios import DEFAULT_BATCHES, SCENARIOS, PlannedSplit, Scenario, placement, scenario
+from digenrl.sim.scenarios import (DEFAULT_BATCHES, SCENARIOS, PlannedSplit, Scenario, measured_placement, placement,
+                                   scenario)
 from digenrl.sim.user import load_scenario
 from digenrl.telemetry.spans import Timeline, busy_seconds
 from digenrl.telemetry.stats import summarize
@@ -44,10 +51,20 @@ class BubbleReport:
     calibration: dict[str, Any]
     files: list[Path] = field(default_factory=list)
     decomposition: dict[str, Any] = field(default_factory=dict)  # scenario -> decompose() result
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def cost_source(self) -> str:
+        """``fitted veRL-Omni utilisations (...)`` or ``measured: FILE (...)``; each row adds its profile."""
+        return str(self.calibration["cost_source"])
 
     def to_json(self) -> dict[str, Any]:
-        return {"rows": self.rows, "calibration": self.calibration, "decomposition": self.decomposition,
+        return {"rows": self.rows, "cost_source": self.cost_source, "calibration": self.calibration,
+                "decomposition": self.decomposition, "notes": self.notes,
                 "definitions": {
+                    "cost_source": "what priced the tokens: the fitted veRL-Omni utilisations on the row's model "
+                                   "profile (its FLOPs), or measured: the `bench bubbles --real` report given "
+                                   "with --costs",
                     "window": "steady = from the end of batch 0's optimizer step to the last one (warm-up "
                               "excluded); full = [0, wall]",
                     "bubble": "1 - (ROLLOUT+REWARD+TRAIN+OPTIM time) / window, per device; per role = mean",
@@ -61,22 +78,34 @@ class BubbleReport:
                 }}
 
 
-def simulate_pair(sc: Scenario, schedule: str, num_batches: int, planned: PlannedSplit | None = None) -> Timeline:
-    """Simulate one scenario under one schedule (or peer, ``PEERS``) with the calibrated cost model.
+def simulate_pair(sc: Scenario, schedule: str, num_batches: int, planned: PlannedSplit | None = None,
+                  measured: MeasuredCost | None = None) -> Timeline:
+    """Simulate one scenario under one schedule (or peer, ``PEERS``) with the calibrated cost model, or
+    with ``measured`` costs (digenrl's schedules only).
 
     ``planned``: the split and token sizes for ``planned.schedule`` (others keep the scenario's split).
+
+    Raises:
+        ConfigError: a peer with measured costs, or measured costs of another device type.
     """
     if schedule in PEERS:
+        if measured is not None:
+            raise ConfigError(f"{schedule}: a peer is modelled as changes to the fitted cost model (its recompute, "
+                              "switches, lending); measured costs (--costs) price digenrl's schedules only")
         return simulate_peer(sc, PEERS[schedule], num_batches)
     mine = planned if planned is not None and planned.schedule == schedule else None
-    devices, cost = placement(sc, colocated=schedule == "colocated", rollout=dict(mine.rollout) if mine else None)
+    colocated, split = schedule == "colocated", dict(mine.rollout) if mine else None
+    devices, cost = (measured_placement(sc, colocated, measured, split) if measured is not None
+                     else placement(sc, colocated, rollout=split))
     workload = sc.workload(num_batches)
     options = dict(mine.options) if mine else {}
-    return simulate(make_schedule(schedule, devices, workload, cost, **options), devices, workload, cost)
+    # measured on one host: its processes share its cores as the bench measured (None: each owns its compute)
+    return simulate(make_schedule(schedule, devices, workload, cost, **options), devices, workload, cost,
+                    contention=measured.contention if measured is not None else None)
 
 
-def _bound(sc: Scenario, colocated_sps: float) -> float | None:
-    if len(sc.pools) != 1 or colocated_sps <= 0:
+def _bound(sc: Scenario, colocated_sps: float, measured: MeasuredCost | None = None) -> float | None:
+    if len(sc.pools) != 1 or colocated_sps <= 0 or measured is not None:
         return None
     devices, cost = placement(sc, colocated=True)
     spec = cost.specs[devices[0].name]
@@ -86,11 +115,12 @@ def _bound(sc: Scenario, colocated_sps: float) -> float | None:
     return ideal_sps / colocated_sps
 
 
-def _row(sc: Scenario, res: Timeline, sim_s: float, planned: bool = False) -> dict[str, Any]:
+def _row(sc: Scenario, res: Timeline, sim_s: float, planned: bool = False, source: str = "") -> dict[str, Any]:
     st = summarize(res)
     s, f = st.steady, st.full
     return {
-        "scenario": sc.name, "model": profile(sc.model).name, "devices": sc.num_devices, "testbed": sc.testbed,
+        "scenario": sc.name, "model": sc.profile.name, "variant": sc.profile.size, "cost_source": source,
+        "devices": sc.num_devices, "testbed": sc.testbed,
         "schedule": res.schedule, "system": PEERS[res.schedule].system if res.schedule in PEERS else "digenrl",
         "split": {"rollout": sum(d.role is Role.ROLLOUT for d in res.devices),
                   "trainer": sum(d.role is Role.TRAINER for d in res.devices),
@@ -131,69 +161,99 @@ def _aborted_share(res: Timeline, start: float, end: float) -> float:
     return wasted / length if length > 0 else 0.0
 
 
+def _calibration(measured: MeasuredCost | None) -> dict[str, Any]:
+    """The report's ``calibration``: the fitted parameters and the step they reproduce, or the measured costs."""
+    if measured is not None:
+        return {"cost_source": measured.describe(), "measured_costs": measured.to_calibration(),
+                "device": measured.device, "source": measured.source}
+    cal = calibrate()
+    return {"cost_source": fitted_source(cal.params), "mfu_rollout": cal.params.mfu_rollout,
+            "mfu_train": cal.params.mfu_train, "mfu_reward": cal.params.mfu_reward,
+            "old_logprob_passes": cal.params.old_logprob_passes,
+            "step_breakdown_s": {"generation": cal.generation, "reward": cal.reward, "switches": cal.switches,
+                                 "optim": cal.optim, "train": cal.train}}
+
+
+def _chosen(scenarios: list[str] | None, schedules: list[str] | None, num_batches: int,
+            measured: MeasuredCost | None) -> tuple[list[str], list[str]]:
+    """The scenario and schedule names to run, checked (see :func:`run_bubbles`)."""
+    if measured is not None and not scenarios:
+        raise ConfigError(f"--costs: {measured.describe()} prices the device type it was measured on; name the "
+                          "scenarios to simulate with it (--scenario FILE.toml with pools of that type)")
+    chosen = list(schedules or (SCHEDULES if measured is not None else RUNS))
+    for s in chosen:
+        if s not in RUNS:
+            raise ConfigError(f"unknown schedule {s!r}; known: {', '.join(SCHEDULES)}; peers: {', '.join(PEERS)}")
+    peers = [s for s in chosen if s in PEERS]
+    if measured is not None and peers:
+        raise ConfigError(f"--costs with {', '.join(peers)}: a peer is modelled as changes to the fitted cost model "
+                          "(its recompute, switches, lending); measured costs price digenrl's schedules only")
+    if num_batches < 2:
+        raise ConfigError(f"num_batches={num_batches}: needs at least 2 (the first batch is the warm-up window)")
+    return list(scenarios or DEFAULT_SCENARIOS), chosen
+
+
 def run_bubbles(scenarios: list[str] | None = None, schedules: list[str] | None = None,
                 num_batches: int = DEFAULT_BATCHES, out: Path | None = None, gantt_batches: int = 4,
-                decomposition: bool = True, planned: dict[str, PlannedSplit] | None = None) -> BubbleReport:
+                decomposition: bool = True, planned: dict[str, PlannedSplit] | None = None,
+                measured: MeasuredCost | None = None) -> BubbleReport:
     """Simulate scenarios x schedules and (with ``out``) write bubbles.json, traces and Gantt PNGs.
 
     Args:
         scenarios: scenario names (default: the paper scenarios and the heterogeneous testbed).
-        schedules: schedule or peer names (default: all of ``RUNS``, colocated first).
+        schedules: schedule or peer names (default: all of ``RUNS``, colocated first; with ``measured``
+            digenrl's schedules).
         num_batches: optimizer steps per run.
         out: directory for the artefacts; created if missing.
         gantt_batches: the Gantt shows the first this many batches of every schedule.
-        decomposition: with ``async1`` selected, also run ``decompose`` per scenario.
+        decomposition: with ``async1`` selected, also run ``decompose`` per scenario (not with ``measured``).
         planned: scenario name -> the split (and token sizes) ``digenrl plan --fleet`` chose for one
             schedule; that schedule's row uses it (``planned: true``), the decomposition ends at it.
+        measured: price every token with these measured costs instead of the fitted utilisations.
 
     Raises:
-        ConfigError: an unknown scenario or schedule name, or ``num_batches < 2``.
+        ConfigError: an unknown scenario or schedule name, ``num_batches < 2``; with ``measured``: no
+            scenario named, a peer, or a scenario with a device type the costs were not measured on.
     """
-    names = list(scenarios or DEFAULT_SCENARIOS)
-    chosen = list(schedules or RUNS)
-    for s in chosen:
-        if s not in RUNS:
-            raise ConfigError(f"unknown schedule {s!r}; known: {', '.join(SCHEDULES)}; peers: {', '.join(PEERS)}")
-    if num_batches < 2:
-        raise ConfigError(f"num_batches={num_batches}: needs at least 2 (the first batch is the warm-up window)")
-    cal = calibrate()
-    report = BubbleReport([], {"mfu_rollout": cal.params.mfu_rollout, "mfu_train": cal.params.mfu_train,
-                               "mfu_reward": cal.params.mfu_reward,
-                               "old_logprob_passes": cal.params.old_logprob_passes,
-                               "step_breakdown_s": {"generation": cal.generation, "reward": cal.reward,
-                                                    "switches": cal.switches, "optim": cal.optim, "train": cal.train}})
+    names, chosen = _chosen(scenarios, schedules, num_batches, measured)
+    report = BubbleReport([], _calibration(measured))
+    if measured is not None and decomposition and "async1" in chosen:
+        report.notes.append("no decomposition: its links are changes to the fitted cost model (recompute, switches, "
+                            "aborts) that measured costs cannot express")
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
     for name in names:
         sc = load_scenario(name).scenario if name.endswith(".toml") else scenario(name)
+        source = cost_source(sc.profile, measured)
         results: list[Timeline] = []
         base_sps = None
         rows = []
         plan = (planned or {}).get(sc.name)
         for sched in chosen:
             start = time.perf_counter()
-            res = simulate_pair(sc, sched, num_batches, plan)
-            rows.append(_row(sc, res, time.perf_counter() - start, plan is not None and plan.schedule == sched))
+            res = simulate_pair(sc, sched, num_batches, plan, measured)
+            rows.append(_row(sc, res, time.perf_counter() - start, plan is not None and plan.schedule == sched,
+                             source))
             results.append(res)
             if out is not None:
                 report.files.append(write_trace(res, out / f"trace-{sc.name}-{sched}.json"))
         base = next((r for r in rows if r["schedule"] == "colocated"), None)
         if base is None:  # speedups still need the baseline
-            res = simulate_pair(sc, "colocated", num_batches)
+            res = simulate_pair(sc, "colocated", num_batches, measured=measured)
             base = _row(sc, res, 0.0)
         base_sps = base["samples_per_s"]
-        bound = _bound(sc, base_sps)
+        bound = _bound(sc, base_sps, measured)
         for r in rows:
             r["speedup_vs_colocated"] = r["samples_per_s"] / base_sps if base_sps else None
             r["speedup_bound"] = bound
         report.rows.extend(rows)
-        if decomposition and "async1" in chosen:
+        if decomposition and "async1" in chosen and measured is None:
             report.decomposition[sc.name] = decompose(sc, num_batches, {r["schedule"]: r["samples_per_s"] for r in rows})
         if out is not None:
             k = min(gantt_batches, num_batches) - 1
             until = max(res.optim_end.get(k, res.wall) for res in results)
             report.files.append(write_gantt(results, out / f"gantt-{sc.name}.png",
-                                            f"{sc.name}: {profile(sc.model).name} on {sc.testbed}, first {k + 1} batches",
+                                            f"{sc.name}: {sc.profile.name} on {sc.testbed}, first {k + 1} batches",
                                             until=until))
     if out is not None:
         path = out / "bubbles.json"

@@ -30,13 +30,17 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from digenrl.schedule.base import Device, Role, Token, TokenKind
 from digenrl.sim.cost import TRAIN_PASSES, CostModel, CostParams
 from digenrl.sim.devices import device_spec
-from digenrl.sim.profiles import profile
+from digenrl.sim.profiles import ModelProfile, profile
 
-__all__ = ["PUBLISHED", "Calibration", "calibrate", "calibrated_params"]
+if TYPE_CHECKING:
+    from digenrl.sim.measured import MeasuredCost
+
+__all__ = ["PUBLISHED", "Calibration", "calibrate", "calibrated_params", "fitted_source", "cost_source"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,3 +124,19 @@ def calibrate(ref: Published = PUBLISHED) -> Calibration:
 def calibrated_params() -> CostParams:
     """The frozen parameters every comparison uses."""
     return calibrate().params
+
+
+def fitted_source(params: CostParams | None = None) -> str:
+    """``fitted veRL-Omni utilisations (rollout MFU 0.379, train 0.162)``: the default cost source."""
+    p = params or calibrated_params()
+    return f"fitted veRL-Omni utilisations (rollout MFU {p.mfu_rollout:.3f}, train {p.mfu_train:.3f})"
+
+
+def cost_source(prof: ModelProfile | None, measured: MeasuredCost | None = None,
+                params: CostParams | None = None) -> str:
+    """What priced a simulation: ``measured`` costs (their file), else the fitted utilisations on ``prof``'s FLOPs."""
+    if measured is not None:
+        return measured.describe()
+    if prof is None:
+        raise ValueError("cost_source: a profile or measured costs")
+    return f"{fitted_source(params)} on the {prof.describe()}"

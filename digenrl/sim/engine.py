@@ -25,21 +25,29 @@ the end. Without it work and wall seconds are the same and nothing is mapped.
 from __future__ import annotations
 
 import heapq
+from typing import Protocol
 
 from digenrl.errors import DigenrlError
 from digenrl.schedule.base import Device, Role, Schedule, Token, TokenDone, TokenKind, Workload
 from digenrl.sim.contention import Contention, WallClock
-from digenrl.sim.cost import CostModel
 from digenrl.telemetry.spans import Span, Timeline
 
-__all__ = ["SimulationError", "simulate"]
+__all__ = ["SimulationError", "TokenCost", "simulate"]
+
+
+class TokenCost(Protocol):
+    """What the engine asks of a cost model: the fitted ``CostModel`` or a ``MeasuredCost``."""
+
+    def seconds(self, token: Token, device: Device) -> float: ...
+
+    def tag_switch_seconds(self, name: str, to_helper: bool = True) -> float: ...
 
 
 class SimulationError(DigenrlError):
     """The schedule broke the driver contract (busy device, unknown device) or stalled."""
 
 
-def simulate(schedule: Schedule, devices: list[Device], workload: Workload, cost: CostModel,
+def simulate(schedule: Schedule, devices: list[Device], workload: Workload, cost: TokenCost,
              max_tokens: int = 50_000_000, sync_aborts: bool = False,
              contention: Contention | None = None) -> Timeline:
     """Run ``schedule`` to completion on a virtual clock.

@@ -12,6 +12,10 @@ are the released checkpoints' configs: QwenImageTransformer2DModel (20.4 B param
 FluxTransformer2DModel (11.9 B; FLUX.1-dev sets ``guidance_embeds=True``), WanTransformer3DModel
 (the 14 B config) and HunyuanVideoTransformer3DModel (12.8 B). A test compares them with
 ``inspect.signature`` of the installed classes, so they cannot drift silently.
+
+A family with several sizes (``model.variant``: Wan2.1 ``1.3B`` / ``14B``) has one entry per size in
+``VARIANTS``: overrides of the default config, named as ``digenrl.models.full.VARIANTS`` names them (a
+test compares them with that module's transformer configs). ``""`` is the largest, as in a config.
 """
 
 from __future__ import annotations
@@ -22,7 +26,8 @@ from typing import Any
 
 from digenrl.errors import ConfigError
 
-__all__ = ["ARCHITECTURES", "DEFAULT_CONFIGS", "SampleShape", "forward_flops", "tokens", "param_count"]
+__all__ = ["ARCHITECTURES", "BLOCK_KEYS", "DEFAULT_CONFIGS", "VARIANTS", "SampleShape", "default_variant",
+           "forward_flops", "tokens", "param_count", "variant_config"]
 
 ARCHITECTURES = ("qwen-image", "flux", "wan", "hunyuan-video")
 
@@ -46,6 +51,19 @@ DEFAULT_CONFIGS: dict[str, dict[str, Any]] = {
         "patch_size_t": 1, "guidance_embeds": True, "text_embed_dim": 4096, "pooled_projection_dim": 768,
     },
 }
+
+# Sizes of each family: overrides of DEFAULT_CONFIGS, smallest first (the defaults are the largest).
+# Wan2.1-T2V-1.3B-Diffusers transformer/config.json: 12 heads x 128, ffn 8960, 30 layers (1.42 B).
+VARIANTS: dict[str, dict[str, dict[str, Any]]] = {
+    "qwen-image": {"20B": {}},
+    "flux": {"12B": {}},
+    "wan": {"1.3B": {"num_attention_heads": 12, "ffn_dim": 8960, "num_layers": 30}, "14B": {}},
+    "hunyuan-video": {"13B": {}},
+}
+
+# The block stacks ``model.layers`` cuts (models/full.py BLOCK_KEYS); HunyuanVideo's token refiner stays.
+BLOCK_KEYS: dict[str, tuple[str, ...]] = {"qwen-image": ("num_layers",), "flux": ("num_layers", "num_single_layers"),
+                                          "wan": ("num_layers",), "hunyuan-video": ("num_layers", "num_single_layers")}
 
 # Sinusoidal timestep features are 256 wide in all four models (TimestepEmbedding(in_channels=256)).
 _TIME_FREQ = 256
@@ -84,6 +102,26 @@ def _config(arch: str, config: dict[str, Any] | None) -> dict[str, Any]:
     if config:
         merged.update(config)
     return merged
+
+
+def default_variant(arch: str) -> str:
+    """The size ``""`` means: the family's largest (as ``models.full.default_variant``)."""
+    _config(arch, None)
+    return list(VARIANTS[arch])[-1]
+
+
+def variant_config(arch: str, variant: str = "", layers: int = 0) -> dict[str, Any]:
+    """The real config of one size of ``arch`` (``""``: the largest), every block stack cut to ``layers`` blocks
+    (``model.layers``; 0 = the published depth; a shallower stack keeps its own, as ``models.full`` cuts them).
+
+    Raises:
+        ConfigError: unknown architecture, or a size the family does not have (naming ``model.variant``).
+    """
+    variant = variant or default_variant(arch)
+    if variant not in VARIANTS[arch]:
+        raise ConfigError(f"model.variant: {arch} has no variant {variant!r}; allowed: {', '.join(VARIANTS[arch])}")
+    c = _config(arch, VARIANTS[arch][variant])
+    return {**c, **{k: min(layers, c[k]) for k in BLOCK_KEYS[arch]}} if layers else c
 
 
 def tokens(arch: str, shape: SampleShape, config: dict[str, Any] | None = None) -> int:
@@ -177,43 +215,45 @@ def _hunyuan(c: dict[str, Any], s: int, t: int) -> int:
 _FORMULAS = {"qwen-image": _qwen, "flux": _flux, "wan": _wan, "hunyuan-video": _hunyuan}
 
 
-def forward_flops(arch: str, shape: SampleShape, config: dict[str, Any] | None = None) -> int:
+def forward_flops(arch: str, shape: SampleShape, config: dict[str, Any] | None = None, variant: str = "",
+                  layers: int = 0) -> int:
     """FLOPs of one forward pass of one sample (one CFG branch) through ``arch``.
 
     Args:
         arch: one of ``ARCHITECTURES``.
         shape: the sample's latent grid and text length.
         config: overrides of the default config (tiny test configs); ``None`` = the real model.
+        variant: the real model's size (``VARIANTS``; ``""`` = the largest); ignored with ``config``.
+        layers: the real model's block stacks cut to this many blocks (0 = published); ignored with ``config``.
 
     Raises:
-        ConfigError: unknown architecture.
+        ConfigError: unknown architecture or variant.
     """
     if not config:
-        return _real_model_flops(arch, shape)
+        return _real_model_flops(arch, shape, variant or default_variant(arch), layers)
     c = _config(arch, config)
     return _FORMULAS[arch](c, tokens(arch, shape, c), shape.text_tokens)
 
 
 @functools.lru_cache(maxsize=512)
-def _real_model_flops(arch: str, shape: SampleShape) -> int:
-    c = _config(arch, None)
+def _real_model_flops(arch: str, shape: SampleShape, variant: str, layers: int) -> int:
+    c = variant_config(arch, variant, layers)
     return _FORMULAS[arch](c, tokens(arch, shape, c), shape.text_tokens)
 
 
-def param_count(arch: str) -> int:
-    """Parameters of the real model, counted on the meta device (cached; imports diffusers once).
+def param_count(arch: str, variant: str = "") -> int:
+    """Parameters of the real model (``variant``: its size, ``""`` = the largest), as counted on the meta
+    device (the tests count them again).
 
     Raises:
-        ConfigError: unknown architecture.
+        ConfigError: unknown architecture or variant.
     """
-    return _param_count(arch)
+    variant = variant or default_variant(arch)
+    variant_config(arch, variant)  # raises naming the allowed sizes
+    return _KNOWN_PARAMS[(arch, variant)]
 
 
-# Published/meta-counted sizes (FEASIBILITY.md §2); used when diffusers should not be imported.
-_KNOWN_PARAMS = {"qwen-image": 20_430_401_088, "flux": 11_901_408_320, "wan": 14_288_491_584, "hunyuan-video": 12_821_012_544}
-
-
-@functools.lru_cache(maxsize=8)
-def _param_count(arch: str) -> int:
-    _config(arch, None)
-    return _KNOWN_PARAMS[arch]
+# Meta-counted sizes (FEASIBILITY.md §2; tests/sim/test_sim_flops.py counts them again); no diffusers import.
+_KNOWN_PARAMS = {("qwen-image", "20B"): 20_430_401_088, ("flux", "12B"): 11_901_408_320,
+                 ("wan", "1.3B"): 1_418_996_800, ("wan", "14B"): 14_288_491_584,
+                 ("hunyuan-video", "13B"): 12_821_012_544}

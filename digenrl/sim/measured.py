@@ -20,10 +20,16 @@ tokens do not show (costs version 2):
 - ``contention`` (optional): how the host's busy single-thread processes slow each other
   (:mod:`digenrl.sim.contention`); with it the fits are a process's seconds alone and the simulator
   applies the slowdown of each moment's busy devices.
+
+The costs are seconds of one device type (the ``testbed`` of the report's rows, ``measured`` for this
+host's processes) running the bench's model: they price pools of that type and nothing else, so a
+fleet or scenario with any other device type is refused (:meth:`MeasuredCost.check_fleet`); a report
+whose rows name no device type prices a fleet of one type.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import statistics
 from dataclasses import dataclass, field
@@ -36,6 +42,7 @@ from digenrl.errors import ConfigError
 from digenrl.schedule.base import Device, Token, TokenKind
 from digenrl.schedule.cost import ring_allreduce_seconds
 from digenrl.sim.contention import Contention
+from digenrl.sim.devices import device_spec
 
 __all__ = ["MeasuredCost", "AllReduce", "COSTS_VERSION"]
 
@@ -49,6 +56,11 @@ _COMPUTE = (TokenKind.ROLLOUT, TokenKind.REWARD, TokenKind.TRAIN)
 _INTERCEPT, _UNITS, _STEPS = 0, 1, 2
 _SUBSETS = {"rollout": ((_INTERCEPT, _UNITS, _STEPS), (_INTERCEPT, _UNITS), (_UNITS, _STEPS), (_UNITS,)),
             "other": ((_INTERCEPT, _UNITS), (_UNITS,))}
+
+
+def _one(values: set[Any]) -> str:
+    """The one string of ``values``, else ``""``."""
+    return next(iter(values)) if len(values) == 1 and isinstance(next(iter(values)), str) else ""
 
 
 def _units(token: Token) -> float:
@@ -139,6 +151,10 @@ class MeasuredCost:
     contention: Contention | None = None
     step_s: float = 0.0  # a ROLLOUT token's seconds per denoising step, whatever its sample count
     notes: tuple[str, ...] = ()
+    # where they were measured (``from_report``): not part of the costs' values, so not compared
+    device: str = field(default="", compare=False)  # the catalog device type; "" = not recorded
+    source: str = field(default="", compare=False)  # the report file
+    model: str = field(default="", compare=False)  # the model the bench ran, as its rows name it
 
     @classmethod
     def fit(cls, samples: list[tuple[Token, float]]) -> MeasuredCost:
@@ -177,11 +193,47 @@ class MeasuredCost:
     def tag_switch_seconds(self, name: str, to_helper: bool = True) -> float:
         return 0.0  # a TAG trainer holds the newest weights already: no onload/offload on CPU
 
+    def batch_work(self, samples: int, prompts: int, num_steps: int, trained_rows: int,
+                   spec: object = None) -> tuple[float, float]:
+        """Device-seconds of rollout (+reward) and of training for one logical batch, from the per-unit
+        terms (``CostModel.batch_work``'s contract; token overheads left out: they depend on the token sizes)."""
+        def per(kind: str) -> float:
+            return self.fits.get(kind, (0.0, 0.0))[1]
+
+        roll = per("rollout") * samples * num_steps + self.step_s * num_steps + per("reward") * samples
+        return roll, per("train") * trained_rows
+
+    def check_fleet(self, device_types: list[str] | set[str], what: str) -> None:
+        """Refuse a fleet these costs do not price: more than one device type, or another type than the
+        one they were measured on.
+
+        Raises:
+            ConfigError: naming the costs file, the device type it measured and the fleet's.
+        """
+        types = sorted(set(device_types))
+        src = f"--costs {self.source}" if self.source else "--costs"
+        on = f"measured on {self.device} devices" if self.device else "measured on one device type"
+        if len(types) > 1:
+            raise ConfigError(f"{src}: costs {on} price a fleet of one device type; {what} mixes "
+                              f"{', '.join(types)}, whose other types' seconds were never measured. Simulate "
+                              f"{self.device or 'that type'} alone with them, or drop --costs to price every type "
+                              "with the fitted utilisations")
+        if self.device and types and types[0].lower() != self.device.lower():
+            raise ConfigError(f"{src}: costs {on} ({self.model or 'the bench'}'s tokens) do not price {types[0]}: "
+                              f"simulate {what} with the fitted utilisations (drop --costs), or with costs "
+                              f"`digenrl bench bubbles --real` measured on {types[0]}")
+
+    def describe(self) -> str:
+        """The cost source line: ``measured: FILE (... on measured devices)``."""
+        on = f"{self.device} devices" if self.device else "one device type"
+        where = f"{self.model or 'the bench'}'s tokens on {on}"
+        return f"measured: {self.source or 'costs given in code'} (`bench bubbles --real` token costs, {where})"
+
     def scaled(self, factor: float) -> MeasuredCost:
         """Every cost ``factor`` times as long (e.g. two busy processes sharing the machine's memory)."""
         return MeasuredCost({k: (o * factor, p * factor) for k, (o, p) in self.fits.items()},
                             self.dispatch_s * factor, self.allreduce, self.contention, self.step_s * factor,
-                            self.notes)
+                            self.notes, self.device, self.source, self.model)
 
     def to_dict(self) -> dict[str, dict[str, float]]:
         """The per-kind fits (``calibration.measured_costs``; the rollout's with ``per_step_s``); see
@@ -248,9 +300,14 @@ class MeasuredCost:
         Raises:
             ConfigError: the file is missing, not JSON, or has no ``calibration`` table.
         """
+        return MeasuredCost._read(path)["calibration"]  # type: ignore[no-any-return]
+
+    @staticmethod
+    def _read(path: str | Path) -> dict[str, Any]:
         p = Path(path)
         try:
-            cal = json.loads(p.read_text())["calibration"]
+            data = json.loads(p.read_text())
+            cal = data["calibration"]
             if not isinstance(cal, dict):
                 raise TypeError("calibration is not a table")
         except FileNotFoundError as exc:
@@ -258,16 +315,26 @@ class MeasuredCost:
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise ConfigError(f"{p}: not a `digenrl bench bubbles --real` report (calibration: "
                               f"{type(exc).__name__}: {exc})") from exc
-        return cal
+        return data  # type: ignore[no-any-return]
 
     @classmethod
     def from_report(cls, path: str | Path) -> MeasuredCost:
-        """The calibration a ``bench bubbles --real`` report (``bubbles.json``) holds.
+        """The calibration a ``bench bubbles --real`` report (``bubbles.json``) holds, with the device type and
+        model its rows name (``testbed``, ``model``: one each, else ``""``).
 
         Raises:
             ConfigError: the file is missing, not JSON, has no ``calibration``, or is an old (version 1) report.
         """
-        return cls.from_calibration(cls.read_calibration(path), f"{Path(path)}: calibration")
+        data = cls._read(path)
+        cost = cls.from_calibration(data["calibration"], f"{Path(path)}: calibration")
+        rows = [r for r in data.get("rows") or [] if isinstance(r, dict)]
+        device = _one({r.get("testbed") for r in rows})
+        if device:
+            try:
+                device = device_spec(device).name
+            except ConfigError:
+                device = ""  # a testbed that is no catalog type ("2xH800"...): not one device type
+        return dataclasses.replace(cost, device=device, source=str(path), model=_one({r.get("model") for r in rows}))
 
     @staticmethod
     def report_error(path: str | Path) -> float | None:

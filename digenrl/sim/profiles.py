@@ -3,29 +3,82 @@
 Every number here is either counted (transformer FLOPs from ``flops.py``; VAE decode FLOPs counted once
 with ``FlopCounterMode`` on the meta device and cached in ``_VAE_DECODE_FLOPS``) or a published model
 size (text encoders, reward models, LoRA targets), each with its source in a comment.
+
+Which profile prices what:
+
+- a scenario (``bench bubbles --scenario``): ``profile(scenario.model, scenario.variant)``, the paper
+  recipe of that model (``PROFILES``: resolution, CFG, LoRA or full fine-tuning, text encoder, reward)
+  at the requested size (``""``: the recipe's own, the largest);
+- a config (``digenrl plan --fleet``): ``model_profile(cfg.model)``, the config's model at ``model.variant``
+  with its resolution, frames, text length, CFG passes (``guidance_scale``) and trainable set
+  (``finetune``, ``lora_rank``); the text encoder and reward model stay the paper recipe's
+  (``ModelProfile.describe`` says so). It reads the ``[model]`` table through :class:`ModelSpec` (the
+  simulator sits below the config layer).
 """
 
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Protocol
 
 from digenrl.errors import ConfigError
-from digenrl.sim.flops import DEFAULT_CONFIGS, SampleShape, forward_flops, param_count
+from digenrl.sim.flops import SampleShape, default_variant, forward_flops, param_count, variant_config
 
-__all__ = ["ModelProfile", "PROFILES", "profile", "vae_decode_flops", "count_vae_decode_flops", "lora_params"]
+__all__ = ["ModelProfile", "ModelSpec", "PROFILES", "ARCH_OF_MODEL", "profile", "model_profile", "vae_decode_flops",
+           "count_vae_decode_flops", "lora_params"]
 
 BF16 = 2
 FP32 = 4
 
+# digenrl model names (``model.name``) -> the simulator's architecture / profile names
+ARCH_OF_MODEL = {"qwenimage": "qwen-image", "flux": "flux", "wan21": "wan", "hunyuanvideo": "hunyuan-video"}
+_FAMILY = {"qwen-image": "Qwen-Image", "flux": "FLUX.1", "wan": "Wan2.1", "hunyuan-video": "HunyuanVideo"}
+# The pretrained adapters' prompt length when ``model.text_len`` is 0 (models/*.py ``text_len or N``; the
+# memory plan's ``_TEXT_LEN``).
+_TEXT_TOKENS = {"qwen-image": 512, "flux": 512, "wan": 512, "hunyuan-video": 256}
+# Models whose guidance is true CFG (two passes per step when ``guidance_scale > 1``); FLUX.1-dev and
+# HunyuanVideo are guidance-distilled (one pass with a guidance embedding). As the memory plan's ``_cfg_branches``.
+_TRUE_CFG = ("qwen-image", "wan")
+# ``models/lora.py`` DEFAULT_LORA_TARGETS as ``lora_params`` names them (Wan2.1: attention only; the MMDiTs:
+# attention and MLPs). The planner passes the memory plan's exact count instead (``plan.fleet.config_profile``).
+_LORA_TARGETS = {"qwen-image": "attn+mlp", "flux": "attn+mlp", "wan": "attn", "hunyuan-video": "attn+mlp"}
+# Presets that build the published architecture (models/full.py): "random" with random weights, "full" meta only.
+_PUBLISHED_PRESETS = ("pretrained", "random", "full")
 
-def lora_params(arch: str, rank: int, targets: str) -> int:
-    """Parameters of a LoRA adapter of ``rank`` on the named target set of ``arch``.
+
+class ModelSpec(Protocol):
+    """What :func:`model_profile` reads of a config's ``[model]`` table (``digenrl.config.ModelConfig``)."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def preset(self) -> str: ...
+    @property
+    def variant(self) -> str: ...
+    @property
+    def resolution(self) -> Sequence[int]: ...
+    @property
+    def num_frames(self) -> int: ...
+    @property
+    def text_len(self) -> int: ...
+    @property
+    def guidance_scale(self) -> float: ...
+    @property
+    def finetune(self) -> str: ...
+    @property
+    def lora_rank(self) -> int: ...
+
+
+def lora_params(arch: str, rank: int, targets: str, variant: str = "", layers: int = 0) -> int:
+    """Parameters of a LoRA adapter of ``rank`` on the named target set of ``arch`` (at size ``variant``, its
+    block stacks cut to ``layers``).
 
     ``targets``: ``"attn"`` (q, k, v, out of every attention, both streams) or ``"attn+mlp"`` (also the
     feed-forward in/out projections), matching flow_grpo's Qwen-Image / FLUX / Wan configs.
     """
-    c = DEFAULT_CONFIGS[arch]
+    c = variant_config(arch, variant, layers)  # raises naming the known architectures and sizes
     d = c["num_attention_heads"] * c["attention_head_dim"]
     per_linear = lambda i, o: rank * (i + o)  # noqa: E731 - A is (r x in), B is (out x r)
     if arch == "qwen-image":
@@ -48,6 +101,10 @@ _VAE_DECODE_FLOPS: dict[tuple[str, int, int, int], int] = {
     ("flux", 1, 90, 90): 5_039_876_505_600,
     ("wan", 9, 30, 52): 28_087_123_783_680,
     ("hunyuan-video", 14, 60, 60): 298_739_467_468_800,
+    # the shipped configs' resolutions (configs/*.toml; qwenimage's 512^2 is the paper's, above)
+    ("flux", 1, 64, 64): 2_514_971_787_264,
+    ("wan", 9, 60, 104): 112_752_200_171_520,
+    ("hunyuan-video", 9, 40, 64): 124_870_570_803_200,
 }
 
 
@@ -95,7 +152,7 @@ class ModelProfile:
     """What one training recipe of one model costs, per sample.
 
     Attributes:
-        name: display name.
+        name: display name (family and size, e.g. ``Wan2.1-1.3B``).
         arch: ``flops.ARCHITECTURES`` key.
         shape: latent grid and text length of one sample.
         cfg_rollout: transformer passes per denoising step while sampling (2 = true CFG).
@@ -103,6 +160,11 @@ class ModelProfile:
         trainable_params: LoRA parameters, or the full model when fine-tuning everything.
         text_encoder_params: parameters of the prompt encoder (run once per prompt).
         reward_flops: FLOPs to score one decoded sample (on the accelerator).
+        variant: the transformer's size (``flops.VARIANTS``; ``""`` = the largest).
+        recipe: where the shape and training recipe come from (``describe``).
+        layers: every block stack cut to this many blocks (``model.layers``; 0 = the published depth).
+        params: transformer parameters when they are not the published count (a cut model: the memory
+            plan's count); 0 = ``param_count(arch, variant)``.
     """
 
     name: str
@@ -113,15 +175,28 @@ class ModelProfile:
     trainable_params: int
     text_encoder_params: float
     reward_flops: float
+    variant: str = ""
+    recipe: str = "the paper recipe"
+    layers: int = 0
+    params: int = 0
+
+    @property
+    def size(self) -> str:
+        """The variant, ``""`` resolved to the family's largest."""
+        return self.variant or default_variant(self.arch)
+
+    @property
+    def transformer_params(self) -> int:
+        return self.params or param_count(self.arch, self.variant)
 
     @property
     def full_finetune(self) -> bool:
-        return self.trainable_params >= param_count(self.arch)
+        return self.trainable_params >= self.transformer_params
 
     @property
     def forward_flops(self) -> int:
         """One transformer pass of one sample (one CFG branch)."""
-        return forward_flops(self.arch, self.shape)
+        return forward_flops(self.arch, self.shape, variant=self.variant, layers=self.layers)
 
     @property
     def decode_flops(self) -> int:
@@ -135,7 +210,7 @@ class ModelProfile:
     @property
     def weight_bytes(self) -> int:
         """bf16 bytes of the full transformer (what a rollout engine holds)."""
-        return BF16 * param_count(self.arch)
+        return BF16 * self.transformer_params
 
     @property
     def publish_bytes(self) -> int:
@@ -147,6 +222,19 @@ class ModelProfile:
         """fp32 bytes of one stored latent (16 channels), the unit of trajectory transfer."""
         s = self.shape
         return FP32 * 16 * s.latent_frames * s.latent_height * s.latent_width
+
+    def describe(self) -> str:
+        """E.g. ``Wan2.1-1.3B profile (33 frames at 480x832, 512 text tokens, 2 passes per step, LoRA 23.6 M
+        params, 72.9 TFLOP per forward; from the config, ...)``."""
+        s = self.shape
+        pixels = f"{s.latent_height * 8}x{s.latent_width * 8}"
+        frames = f"{(s.latent_frames - 1) * 4 + 1} frames at {pixels}" if s.latent_frames > 1 else pixels
+        trained = "full fine-tune" if self.full_finetune else f"LoRA {self.trainable_params / 1e6:.1f} M params"
+        if self.layers:
+            frames = f"{self.layers} blocks per stack, {frames}"
+        return (f"{self.name} profile ({frames}, {s.text_tokens} text tokens, {self.cfg_rollout} "
+                f"pass{'es' if self.cfg_rollout > 1 else ''} per step, {trained}, {self.forward_flops / 1e12:.1f} "
+                f"TFLOP per forward; {self.recipe})")
 
 
 def _reward_vlm(params: float, tokens: int) -> float:
@@ -161,34 +249,80 @@ PROFILES: dict[str, ModelProfile] = {
     # patch 16, 2x2 merge) + ~64 prompt tokens and writes ~32 tokens: ~352 tokens of forward.
     "qwen-image": ModelProfile(
         "Qwen-Image-20B", "qwen-image", SampleShape.from_pixels(1, 512, 512, 64), 2, 2,
-        lora_params("qwen-image", 64, "attn+mlp"), 7.6e9, _reward_vlm(8.8e9, 352)),
+        lora_params("qwen-image", 64, "attn+mlp"), 7.6e9, _reward_vlm(8.8e9, 352), "20B"),
     # DanceGRPO FLUX (16 GPUs): 720^2, guidance-distilled (one pass), full fine-tune, T5 embeddings
     # precomputed at 512 tokens (so no text-encoder cost). Reward HPS-v2.1 (OpenCLIP ViT-H/14, ~0.99 B
     # params; 257 image + 77 text tokens).
     "flux": ModelProfile(
         "FLUX.1-12B", "flux", SampleShape.from_pixels(1, 720, 720, 512), 1, 1,
-        param_count("flux"), 0.0, _reward_vlm(0.99e9, 334)),
+        param_count("flux"), 0.0, _reward_vlm(0.99e9, 334), "12B"),
     # flow_grpo general_ocr_wan2_1 recipe on the 14 B model (the GenRL baseline trains Wan2.1-14B):
     # 240x416, 33 frames, CFG 4.5 = two passes in rollout and training, LoRA r32 on attention.
     # UMT5-XXL encoder (5.7 B) at 512 tokens. Reward video_ocr runs PaddleOCR on the CPU: no GPU FLOPs.
     "wan": ModelProfile(
         "Wan2.1-14B", "wan", SampleShape.from_pixels(33, 240, 416, 512), 2, 2,
-        lora_params("wan", 32, "attn"), 5.7e9, 0.0),
+        lora_params("wan", 32, "attn", "14B"), 5.7e9, 0.0, "14B"),
     # DanceGRPO HunyuanVideo T2V: 480x480, 53 frames, guidance-distilled, full fine-tune, embeddings
     # precomputed (LLaVA-Llama-3-8B, 256 tokens). Reward VideoAlign (Qwen2-VL-2B) on sampled frames:
     # ~2.2 B params x ~2048 visual+text tokens.
     "hunyuan-video": ModelProfile(
         "HunyuanVideo-13B", "hunyuan-video", SampleShape.from_pixels(53, 480, 480, 256), 1, 1,
-        param_count("hunyuan-video"), 0.0, _reward_vlm(2.2e9, 2048)),
+        param_count("hunyuan-video"), 0.0, _reward_vlm(2.2e9, 2048), "13B"),
 }
+# Each paper recipe's trainable set, to re-derive it at another size: (LoRA rank, targets); rank 0 = full.
+_RECIPE_TRAINING = {"qwen-image": (64, "attn+mlp"), "flux": (0, ""), "wan": (32, "attn"), "hunyuan-video": (0, "")}
 
 
-def profile(name: str) -> ModelProfile:
-    """Profile by key.
+def profile(name: str, variant: str = "") -> ModelProfile:
+    """The paper recipe of model ``name`` (a ``PROFILES`` key) at size ``variant`` (``""``: the recipe's own).
 
     Raises:
-        ConfigError: unknown key; lists the known ones.
+        ConfigError: unknown key or size; lists the known ones.
     """
     if name not in PROFILES:
         raise ConfigError(f"unknown model profile {name!r}; known: {', '.join(PROFILES)}")
-    return PROFILES[name]
+    prof = PROFILES[name]
+    if not variant or variant == prof.variant:
+        return prof
+    rank, targets = _RECIPE_TRAINING[name]
+    trainable = lora_params(prof.arch, rank, targets, variant) if rank else param_count(prof.arch, variant)
+    return replace(prof, name=f"{_FAMILY[prof.arch]}-{variant}", variant=variant,
+                   recipe=f"the {prof.name} paper recipe", trainable_params=trainable)
+
+
+def model_profile(m: ModelSpec, trainable_params: int | None = None,
+                  transformer_params: int | None = None) -> ModelProfile:
+    """What one sample of a config costs (``m``: its ``[model]`` table): the model at ``model.variant`` (its
+    block stacks cut to ``model.layers`` when set), its resolution, frames, text length, CFG passes and
+    trainable set; text encoder and reward model as the model's paper recipe.
+
+    ``trainable_params`` / ``transformer_params``: the exact counts (the memory plan's, on the meta model,
+    as ``plan.fleet.config_profile`` passes them); defaults: the ``lora_params`` formula on the model's
+    default targets (the whole transformer for ``full``) and the published transformer's count.
+
+    Raises:
+        ConfigError: a preset whose FLOPs are not the published architecture's (a tiny model: price it with
+            measured costs), or a resolution/frame count the VAE cannot take.
+    """
+    if m.preset not in _PUBLISHED_PRESETS:
+        raise ConfigError(f"model.preset = {m.preset!r}: the simulator's FLOP profiles are the published "
+                          f"architectures (preset {' / '.join(map(repr, _PUBLISHED_PRESETS))}); price a tiny preset "
+                          "with the costs `digenrl bench bubbles --real` measured (--costs FILE)")
+    arch = ARCH_OF_MODEL[m.name]
+    variant = m.variant or default_variant(arch)
+    layers = int(getattr(m, "layers", 0))  # model.layers: a 'random'/'full' model cut to fewer blocks
+    try:
+        height, width = m.resolution[0], m.resolution[1]
+        shape = SampleShape.from_pixels(m.num_frames, height, width, m.text_len or _TEXT_TOKENS[arch])
+    except ConfigError as exc:
+        raise ConfigError(f"model.resolution / model.num_frames: {exc}") from exc
+    passes = 2 if arch in _TRUE_CFG and m.guidance_scale > 1.0 else 1
+    params = transformer_params or param_count(arch, variant)
+    if trainable_params is None:
+        lora = m.finetune == "lora"
+        trainable_params = lora_params(arch, m.lora_rank, _LORA_TARGETS[arch], variant, layers) if lora else params
+    paper = PROFILES[arch]
+    return ModelProfile(f"{_FAMILY[arch]}-{variant}", arch, shape, passes, passes, trainable_params,
+                        paper.text_encoder_params, paper.reward_flops, variant,
+                        f"from the config, text encoder and reward model as the {paper.name} paper recipe",
+                        layers, transformer_params or 0)

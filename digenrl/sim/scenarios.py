@@ -16,6 +16,10 @@ Disaggregated split: for a homogeneous testbed the rollout/trainer split balance
 device-seconds against its training device-seconds under the fixed cost model
 (``n_rollout = round(N * R / (R + T))``, at least one of each). The heterogeneous testbed splits by
 hardware (generation on L40S, training on H800).
+
+A scenario is priced with the fitted cost model on its profile (``profile(model, variant)``) or, given a
+``MeasuredCost`` (``bench bubbles --costs``), with the token costs a ``bench bubbles --real`` run measured
+on one device type: then every pool must be of that type (``MeasuredCost.check_fleet``).
 """
 
 from __future__ import annotations
@@ -27,9 +31,11 @@ from digenrl.schedule.base import Device, Role, Workload
 from digenrl.sim.calibration import calibrated_params
 from digenrl.sim.cost import CostModel, CostParams
 from digenrl.sim.devices import DeviceSpec, device_spec
+from digenrl.sim.measured import MeasuredCost
 from digenrl.sim.profiles import ModelProfile, profile
 
-__all__ = ["Scenario", "PlannedSplit", "SCENARIOS", "scenario", "placement", "balanced_split"]
+__all__ = ["Scenario", "PlannedSplit", "SCENARIOS", "scenario", "placement", "measured_placement",
+           "balanced_split"]
 
 DEFAULT_BATCHES = 20
 
@@ -45,7 +51,8 @@ class Scenario:
         pools: ``(device type, count)`` per pool of the testbed.
         rollout_pool: for heterogeneous testbeds, the device type that generates in disaggregated
             schedules (the others train); ``""`` = choose the split by the cost model.
-        kind: ``paper``, ``hetero`` or ``scaling``.
+        kind: ``paper``, ``hetero``, ``scaling`` or ``user``.
+        variant: the model's size (``flops.VARIANTS``); ``""`` = the paper recipe's own (the largest).
     """
 
     name: str
@@ -57,6 +64,12 @@ class Scenario:
     pools: tuple[tuple[str, int], ...]
     rollout_pool: str = ""
     kind: str = "paper"
+    variant: str = ""
+
+    @property
+    def profile(self) -> ModelProfile:
+        """The model's paper recipe at this scenario's size."""
+        return profile(self.model, self.variant)
 
     @property
     def num_devices(self) -> int:
@@ -130,13 +143,34 @@ def scenario(name: str) -> Scenario:
     return SCENARIOS[name]
 
 
-def balanced_split(prof: ModelProfile, sc: Scenario, spec: DeviceSpec, params: CostParams) -> int:
-    """Rollout devices of a homogeneous testbed that balance rollout and training time per batch."""
-    probe = CostModel(prof, {"x": spec}, params, {"x": Role.HYBRID})
+def balanced_split(sc: Scenario, spec: DeviceSpec, probe: CostModel | MeasuredCost) -> int:
+    """Rollout devices of a homogeneous testbed that balance rollout and training time per batch, as ``probe``
+    (the fitted cost model on one ``spec`` device, or measured costs) prices them."""
     w = sc.workload(1)
     roll, train = probe.batch_work(w.samples_per_batch, w.prompts_per_batch, w.num_steps, w.rows_per_batch, spec)
     n = sc.num_devices
     return min(n - 1, max(1, round(n * roll / (roll + train))))
+
+
+def _roles(sc: Scenario, colocated: bool, rollout: dict[str, int] | None,
+           balance: CostModel | MeasuredCost) -> tuple[dict[str, DeviceSpec], dict[str, Role]]:
+    """Every device of ``sc`` (``<type>-<i>``) with its spec and role; ``balance`` prices the split of a
+    homogeneous testbed without a planned split or a rollout pool."""
+    specs: dict[str, DeviceSpec] = {}
+    for dtype, count in sc.pools:
+        spec = device_spec(dtype)
+        for i in range(count):
+            specs[f"{dtype.lower()}-{i}"] = spec
+    names = list(specs)
+    if colocated:
+        return specs, {n: Role.HYBRID for n in names}
+    if rollout is not None:
+        index = {n: int(n.rsplit("-", 1)[1]) for n in names}
+        return specs, {n: Role.ROLLOUT if index[n] < rollout.get(specs[n].name, 0) else Role.TRAINER for n in names}
+    if sc.rollout_pool:
+        return specs, {n: Role.ROLLOUT if specs[n].name == sc.rollout_pool else Role.TRAINER for n in names}
+    n_roll = balanced_split(sc, specs[names[0]], balance)
+    return specs, {n: Role.ROLLOUT if i < n_roll else Role.TRAINER for i, n in enumerate(names)}
 
 
 def placement(sc: Scenario, colocated: bool, params: CostParams | None = None,
@@ -148,23 +182,22 @@ def placement(sc: Scenario, colocated: bool, params: CostParams | None = None,
     the schedule; the cost model itself uses the full device specs.
     """
     params = params or calibrated_params()
-    prof = profile(sc.model)
+    prof = sc.profile
     ref = device_spec("H800").peak_bf16_flops
-    specs: dict[str, DeviceSpec] = {}
-    for dtype, count in sc.pools:
-        spec = device_spec(dtype)
-        for i in range(count):
-            specs[f"{dtype.lower()}-{i}"] = spec
-    names = list(specs)
-    if colocated:
-        roles = {n: Role.HYBRID for n in names}
-    elif rollout is not None:
-        index = {n: int(n.rsplit("-", 1)[1]) for n in names}
-        roles = {n: Role.ROLLOUT if index[n] < rollout.get(specs[n].name, 0) else Role.TRAINER for n in names}
-    elif sc.rollout_pool:
-        roles = {n: Role.ROLLOUT if specs[n].name == sc.rollout_pool else Role.TRAINER for n in names}
-    else:
-        n_roll = balanced_split(prof, sc, specs[names[0]], params)
-        roles = {n: Role.ROLLOUT if i < n_roll else Role.TRAINER for i, n in enumerate(names)}
-    devices = [Device(n, roles[n], specs[n].peak_bf16_flops / ref) for n in names]
+    probe = CostModel(prof, {"x": device_spec(sc.pools[0][0])}, params, {"x": Role.HYBRID})
+    specs, roles = _roles(sc, colocated, rollout, probe)
+    devices = [Device(n, roles[n], specs[n].peak_bf16_flops / ref) for n in specs]
     return devices, CostModel(prof, specs, params, roles)
+
+
+def measured_placement(sc: Scenario, colocated: bool, measured: MeasuredCost,
+                       rollout: dict[str, int] | None = None) -> tuple[list[Device], MeasuredCost]:
+    """:func:`placement` priced with ``measured`` costs: they are already the seconds of the one device type they
+    were measured on, so every device has speed 1.
+
+    Raises:
+        ConfigError: ``measured`` does not price the scenario's pools (``MeasuredCost.check_fleet``).
+    """
+    measured.check_fleet([t for t, _ in sc.pools], f"scenario {sc.name} ({sc.testbed})")
+    specs, roles = _roles(sc, colocated, rollout, measured)
+    return [Device(n, roles[n], 1.0) for n in specs], measured

@@ -4,6 +4,7 @@
 
     name = "my-cluster"           # optional; default: the file name
     model = "flux"                # qwen-image | flux | wan | hunyuan-video (or qwenimage, wan21, hunyuanvideo)
+    variant = ""                  # optional: the model's size (wan: "1.3B" | "14B"); "" = the largest
     prompts = 32                  # prompts per optimizer step
     group_size = 12
     num_steps = 16
@@ -20,9 +21,10 @@
     count = 16
     roles = ["rollout"]
 
-Links come with the device type (NVLink / PCIe inside a node of 8, the type's NIC across nodes; see
-``devices.py``). ``fleet_pools`` parses the short form of the command line, ``16xH800`` or
-``8xH800+16xL40S``.
+The model is priced with its paper recipe (``profiles.PROFILES``: resolution, CFG, LoRA or full
+fine-tuning) at ``variant``'s size. Links come with the device type (NVLink / PCIe inside a node of 8,
+the type's NIC across nodes; see ``devices.py``). ``fleet_pools`` parses the short form of the command
+line, ``16xH800`` or ``8xH800+16xL40S``.
 """
 
 from __future__ import annotations
@@ -35,13 +37,13 @@ from typing import Any
 
 from digenrl.errors import ConfigError
 from digenrl.sim.devices import device_spec
+from digenrl.sim.flops import VARIANTS
+from digenrl.sim.profiles import ARCH_OF_MODEL
 from digenrl.sim.scenarios import Scenario
 
 __all__ = ["Pool", "ROLES", "UserScenario", "load_scenario", "fleet_pools", "ARCH_OF_MODEL"]
 
 ROLES = ("rollout", "trainer")
-# digenrl model names -> the simulator's profile names
-ARCH_OF_MODEL = {"qwenimage": "qwen-image", "flux": "flux", "wan21": "wan", "hunyuanvideo": "hunyuan-video"}
 _ARCHS = ("qwen-image", "flux", "wan", "hunyuan-video")
 
 
@@ -109,13 +111,17 @@ def load_scenario(path: str | Path) -> UserScenario:
         data = tomllib.loads(p.read_text())
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{p}: invalid TOML: {exc}") from exc
-    allowed = {"name", "model", "prompts", "group_size", "num_steps", "trained_steps", "rollout_pool", "pools"}
+    allowed = {"name", "model", "variant", "prompts", "group_size", "num_steps", "trained_steps", "rollout_pool",
+               "pools"}
     unknown = sorted(set(data) - allowed)
     if unknown:
         raise ConfigError(f"{p}: {unknown[0]}: unknown key; allowed: {', '.join(sorted(allowed))}")
     model = ARCH_OF_MODEL.get(data.get("model", ""), data.get("model", ""))
     if model not in _ARCHS:
         raise ConfigError(f"{p}: model: {data.get('model')!r} is not one of {', '.join(_ARCHS)}")
+    variant = data.get("variant", "")
+    if variant and variant not in VARIANTS[model]:
+        raise ConfigError(f"{p}: variant: {model} has no variant {variant!r}; allowed: {', '.join(VARIANTS[model])}")
     numbers = {}
     for key, default in (("prompts", None), ("group_size", None), ("num_steps", None), ("trained_steps", None)):
         value = data.get(key, default)
@@ -134,5 +140,6 @@ def load_scenario(path: str | Path) -> UserScenario:
         if rollout_pool not in {pl.device for pl in pools}:
             raise ConfigError(f"{p}: rollout_pool: {rollout_pool!r} is not one of the pools' devices")
     sc = Scenario(str(data.get("name", p.stem)), model, numbers["prompts"], numbers["group_size"], numbers["num_steps"],
-                  numbers["trained_steps"], tuple((pl.device, pl.count) for pl in pools), rollout_pool, kind="user")
+                  numbers["trained_steps"], tuple((pl.device, pl.count) for pl in pools), rollout_pool, kind="user",
+                  variant=str(variant))
     return UserScenario(sc, pools)

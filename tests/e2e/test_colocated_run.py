@@ -39,6 +39,7 @@ def test_colocated_run_writes_an_actor_runs_outputs_and_live_table(tmp_path: Pat
     assert {e["name"].split()[0] for e in spans} == {"rollout", "reward", "train", "optim"}
     summary = json.loads((out / "summary.json").read_text())
     assert summary["samples_scored"] == 2 * 4 and summary["max_staleness"] == 0
+    assert summary["peak_memory"]["colocated"]["device"] == "cpu" and summary["peak_memory"]["colocated"]["rss"] > 1e8
     for column in ("samples/s", "staleness", "parity ratio", "max |Δlogp|", "bubble"):
         assert column in res.output, column  # the actor runs' live table
 

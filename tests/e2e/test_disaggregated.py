@@ -95,6 +95,8 @@ async def test_killed_rollout_actor_its_work_is_reissued_and_nothing_is_lost(tmp
     assert all(m["rows_trained"] == ROWS and math.isfinite(m["reward_mean"]) for m in history)
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["lost_devices"] == ["rollout-0"]
+    assert list(summary["peak_memory"]) == ["trainer-0"]  # every live process's peak; the dead one has none
+    assert summary["peak_memory"]["trainer-0"]["device"] == "cpu" and summary["peak_memory"]["trainer-0"]["rss"] > 1e8
     trace = json.loads((tmp_path / "trace.json").read_text())
     tids = {e["args"]["name"]: e["tid"] for e in trace["traceEvents"] if e["name"] == "thread_name"}
     helped = [e for e in trace["traceEvents"] if e["ph"] == "X" and e["tid"] == tids["trainer-0"]

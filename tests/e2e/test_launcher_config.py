@@ -54,10 +54,14 @@ def test_a_bundle_per_actor_with_its_role_resources() -> None:
     assert bundles[0].resources == {"CPU": 1.0, "accelerator_type:H100": 0.001, "nvlink_pool": 1.0}
     assert bundles[1].resources == bundles[2].resources == bundles[3].resources == {
         "CPU": 4.0, "accelerator_type:L40S": 0.001}
-    # GPU-bound roles: one GPU per bundle (model.device cuda), whatever this machine has.
-    gpu = load_config(TINY, ["cluster.launcher=ray", "model.device=cuda"])
+    # GPU-bound roles: one GPU per bundle (model.device cuda), whatever this machine has; with
+    # placement.actors_per_gpu = 2 (the tiny config's) half a GPU each, which Ray packs onto one device.
+    gpu = load_config(TINY, ["cluster.launcher=ray", "model.device=cuda", "placement.actors_per_gpu=1"])
     assert [b.resources for b in plan_bundles(gpu, [(n, r, c) for n, r, c, _ in actor_plan(gpu)])] == [
         {"CPU": 1.0, "GPU": 1.0}, {"CPU": 1.0, "GPU": 1.0}]
+    shared = load_config(TINY, ["cluster.launcher=ray", "model.device=cuda"])
+    assert [b.resources for b in plan_bundles(shared, [(n, r, c) for n, r, c, _ in actor_plan(shared)])] == [
+        {"CPU": 1.0, "GPU": 0.5}, {"CPU": 1.0, "GPU": 0.5}]
 
 
 def test_usage_stats_are_off_unless_the_user_set_them_and_a_missing_ray_says_how_to_install(

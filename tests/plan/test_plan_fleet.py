@@ -10,8 +10,8 @@ from typer.testing import CliRunner
 
 from digenrl.config import load_config
 from digenrl.errors import ConfigError
-from digenrl.plan.fleet import _variant, plan_fleet
-from digenrl.plan.memory import check_memory
+from digenrl.plan.fleet import _variant, config_profile, plan_fleet
+from digenrl.plan.memory import check_memory, traces_for
 from digenrl.sim.user import fleet_pools, load_scenario
 from digenrl_cli.main import app
 
@@ -62,10 +62,10 @@ def test_planner_never_returns_a_placement_that_does_not_fit() -> None:
 def test_two_device_case_has_the_known_best_split() -> None:
     """1 H800 + 1 L40S, FLUX LoRA: which device generates and which trains.
 
-    Every assignment is simulated here directly (its own devices and cost model, outside the planner,
-    over the planner's final run of 8 batches); the planner's choice must be the best of them. By hand: a batch's training work (9 trained steps x
-    4 passes) outweighs its rollout work, and the H800 has 2.7x the L40S's FLOP/s, so the H800 trains
-    and the L40S generates.
+    Every assignment is simulated here directly (its own devices and cost model on the config's profile,
+    outside the planner, over the planner's final run of 8 batches); the planner's choice must be the best of
+    them. By hand: a batch's training work (3 trained steps x 4 passes) outweighs its rollout work (16 steps,
+    one pass), and the H800 has 2.7x the L40S's FLOP/s, so the H800 trains and the L40S generates.
     """
     from digenrl.policy import trained_steps
     from digenrl.schedule import make_schedule
@@ -74,7 +74,6 @@ def test_two_device_case_has_the_known_best_split() -> None:
     from digenrl.sim.cost import CostModel
     from digenrl.sim.devices import device_spec
     from digenrl.sim.engine import simulate
-    from digenrl.sim.profiles import profile
     from digenrl.telemetry.stats import summarize
 
     cfg = load_config(CONFIGS / "flux.toml", ["rollout.prompts_per_batch=4"])
@@ -84,12 +83,14 @@ def test_two_device_case_has_the_known_best_split() -> None:
 
     ro = cfg.rollout
     workload = Workload(8, ro.prompts_per_batch, ro.group_size, ro.num_steps, trained_steps(cfg))
+    prof = config_profile(cfg, traces_for(cfg, linear=True))  # flux.toml: 512^2, LoRA r32
+    assert (prof.name, prof.shape.latent_height, prof.full_finetune) == ("FLUX.1-12B", 64, False)
     measured = {}
     for roll_type, train_type in (("L40S", "H800"), ("H800", "L40S")):
         specs = {"r": device_spec(roll_type), "t": device_spec(train_type)}
         roles = {"r": Role.ROLLOUT, "t": Role.TRAINER}
         devices = [Device(n, roles[n], specs[n].peak_bf16_flops / device_spec("H800").peak_bf16_flops) for n in specs]
-        cost = CostModel(profile("flux"), specs, calibrated_params(), roles)
+        cost = CostModel(prof, specs, calibrated_params(), roles)
         sched = make_schedule("async1", devices, workload, cost, tag_steps=best.tag_steps,
                               fragment_groups=best.fragment_groups)
         measured[(roll_type, train_type)] = summarize(simulate(sched, devices, workload, cost)).steady.samples_per_s
@@ -118,14 +119,15 @@ def test_split_search_stops_at_a_split_that_does_not_fit() -> None:
     from digenrl.sim.cost import CostModel
     from digenrl.sim.devices import device_spec
     from digenrl.sim.engine import simulate
-    from digenrl.sim.profiles import profile
     from digenrl.telemetry.stats import summarize
 
     ro, best = cfg.rollout, result.best
     workload = Workload(6, ro.prompts_per_batch, ro.group_size, ro.num_steps, trained_steps(cfg))
     roles = {f"h800-{i}": Role.ROLLOUT if i < 2 else Role.TRAINER for i in range(8)}
     devices = [Device(n, r) for n, r in roles.items()]
-    cost = CostModel(profile("qwen-image"), {n: device_spec("H800") for n in roles}, calibrated_params(), roles)
+    prof = config_profile(cfg, traces_for(cfg, linear=True))  # full fine-tune: the whole transformer trains
+    assert prof.full_finetune and prof.shape.text_tokens == 512
+    cost = CostModel(prof, {n: device_spec("H800") for n in roles}, calibrated_params(), roles)
     sched = make_schedule("async1", devices, workload, cost, tag=False, tag_steps=best.tag_steps,
                           fragment_groups=best.fragment_groups)
     res = simulate(sched, devices, workload, cost)
@@ -139,6 +141,10 @@ def test_plan_fleet_writes_a_runnable_config(tmp_path: Path) -> None:
                                    "--write", str(out)])
     assert res.exit_code == 0, res.output
     assert "samples/s" in res.output and "simulations" in res.output
+    # what priced the prediction, in the output and the written config's header
+    assert ("costs: fitted veRL-Omni utilisations (rollout MFU 0.379, train 0.162) on the FLUX.1-12B profile"
+            in res.output)
+    assert "# costs: fitted veRL-Omni utilisations" in out.read_text()
     written = load_config(out)
     assert written.placement.rollout + written.placement.trainer == 4 and written.placement.gpu == "H800"
     assert written.schedule.tag_steps >= 1 and written.train.rows_per_pass >= 1
@@ -185,7 +191,10 @@ def test_measured_costs_plan_the_machine_they_were_measured_on(tmp_path: Path) -
     report.write_text(json.dumps({"calibration": MeasuredCost(fits, 0.0, AllReduce(0.0, 1.0, 0.0)).to_calibration()}))
     cost = MeasuredCost.from_report(report)
     cfg = load_config(CONFIGS / "tiny-qwenimage.toml")
-    best = plan_fleet(cfg, fleet_pools("2xmeasured"), batches=4, final_batches=8, measured=cost).best
+    result = plan_fleet(cfg, fleet_pools("2xmeasured"), batches=4, final_batches=8, measured=cost)
+    best = result.best
+    assert result.cost_source.startswith(f"measured: {report} (") and result.profile is None
+    assert result.to_json()["cost_source"] == result.cost_source
     # two devices can at best spend all their seconds on work: samples/s <= 2 / (seconds of work per sample)
     per_sample = (per_unit["rollout"] * cfg.rollout.num_steps + per_unit["reward"]
                   + per_unit["train"] * trained_steps(cfg))
