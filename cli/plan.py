@@ -31,6 +31,7 @@ def format_plan(plan: MemoryPlan) -> str:
             ("activations", lambda r: f"{r.activations / GB:.2f}"),
             ("VAE", lambda r: f"{r.vae / GB:.2f}"),
             ("text encoders", lambda r: f"{r.text_encoders / GB:.2f}"),
+            ("reward models", lambda r: f"{r.reward_models / GB:.2f}"),
             ("total / device", lambda r: f"{r.bytes_per_device / GB:.2f}"),
             ("headroom", lambda r: f"{r.headroom / GB:.2f}"),
             ("fits", lambda r: "yes" if r.fits else "NO"),

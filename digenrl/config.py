@@ -268,9 +268,19 @@ class TrainConfig:
 
 @dataclass(frozen=True)
 class RewardConfig:
-    """``[reward]``: weighted rewards and the failure policy."""
+    """``[reward]``: weighted rewards, the learned rewards' model files, device and dtype, and the failure policy.
+
+    ``[reward.models.<name>]`` is one reward's own table (e.g. ``[reward.models.clipscore] path =
+    "/models/clip-vit-large-patch14"``), handed to its factory as a plain dict; its keys are checked here,
+    its files by ``digenrl validate`` (``recipes/preflight.py``). ``device`` is where the rewards run (``""``:
+    the actor's ``model.device``; ``"cpu"``; ``"cuda"`` / ``"cuda:K"``), ``dtype`` their torch dtype (``""``:
+    bf16 on CUDA, fp32 on the CPU).
+    """
 
     weights: dict[str, float] = field(default_factory=lambda: {"color": 1.0})
+    models: dict[str, dict[str, Any]] = field(default_factory=dict)
+    device: str = ""
+    dtype: str = ""
     url: str = ""
     timeout: float = 30.0
     retries: int = 2
@@ -281,14 +291,23 @@ class RewardConfig:
     # failure_window batches were penalised (rewards/failures.py): penalties are for the occasional failure.
     max_failure_fraction: float = 0.5
     failure_window: int = 4
+    # Several rewards: "sum" normalises the weighted sum per group; "per_reward" normalises each reward per
+    # group, then weights and sums the advantages (rl/advantages.py; a failed sample scores the penalty in each).
+    normalize: str = "sum"
 
     def __post_init__(self) -> None:
-        from digenrl.rewards.registry import REWARD_NAMES
+        import re
+
+        from digenrl.rewards.registry import REWARD_NAMES, check_models
 
         _check("reward.weights", bool(self.weights), "a non-empty table of name = weight", self.weights)
         for name, w in self.weights.items():
             _choice(f"reward.weights.{name}", name, REWARD_NAMES)
             _check(f"reward.weights.{name}", isinstance(w, int | float), "a number", w)
+        check_models(self.weights, self.models)
+        _check("reward.device", re.fullmatch(r"(cpu|cuda(:\d+)?)?", self.device) is not None,
+               "'' (the actor's model.device), 'cpu', 'cuda' or 'cuda:K'", self.device)
+        _choice("reward.dtype", self.dtype, ("", "float32", "bfloat16", "float16"))
         _check("reward.url", "remote" not in self.weights or bool(self.url), "set when 'remote' is weighted", self.url)
         _choice("reward.image_format", self.image_format, ("png", "raw"))
         _choice("reward.on_error", self.on_error, ("raise", "penalty"))
@@ -299,6 +318,16 @@ class RewardConfig:
         w = self.failure_window
         _check("reward.failure_window", isinstance(w, int) and not isinstance(w, bool) and w >= 1,
                "an integer >= 1 (batches)", w)
+        _choice("reward.normalize", self.normalize, ("sum", "per_reward"))
+        _check("reward.normalize", self.normalize == "sum" or any(self.weights.values()),
+               "'sum' when no reward has a non-zero weight", self.normalize)
+
+    def build_options(self, model_device: str) -> dict[str, Any]:
+        """The keyword arguments of ``digenrl.rewards.build_reward`` for this table (plain values; the rewards
+        layer imports no config), ``device`` resolved against the building actor's ``model_device``."""
+        return {"models": self.models, "device": self.device or model_device, "dtype": self.dtype,
+                "url": self.url or None, "timeout": self.timeout, "retries": self.retries,
+                "image_format": self.image_format, "on_error": self.on_error, "penalty": self.penalty}
 
 
 @dataclass(frozen=True)

@@ -119,13 +119,14 @@ def _profile_json(prof: ModelProfile) -> dict[str, Any]:
     return {"name": prof.name, "arch": prof.arch, "variant": prof.size, "layers": prof.layers, "recipe": prof.recipe,
             "latent": [s.latent_frames, s.latent_height, s.latent_width], "text_tokens": s.text_tokens,
             "passes_per_step": prof.cfg_rollout, "trainable_params": prof.trainable_params,
-            "forward_flops": prof.forward_flops}
+            "forward_flops": prof.forward_flops, "reward_flops": prof.reward_flops}
 
 
 def config_profile(cfg: Config, traces: Traces | None = None) -> ModelProfile:
     """The profile that prices ``cfg``'s tokens (``sim.profiles.model_profile`` of its ``[model]``: model,
-    variant, ``layers``, resolution, frames, text length, CFG), its transformer and trainable set as the memory
-    plan counts them (the model and peft's targets on the meta device).
+    variant, ``layers``, resolution, frames, text length, CFG; and of its ``[reward]``: the weighted reward
+    models' FLOPs), its transformer and trainable set as the memory plan counts them (the model and peft's
+    targets on the meta device).
 
     Raises:
         ConfigError: a preset the profiles do not price (a tiny model), before anything is traced.
@@ -135,7 +136,7 @@ def config_profile(cfg: Config, traces: Traces | None = None) -> ModelProfile:
     model_profile(cfg.model)
     plan = memory_plan(cfg, traces)
     trainer = plan.roles.get("trainer") or next(iter(plan.roles.values()))
-    return model_profile(cfg.model, trainer.trainable_params, plan.transformer_params)
+    return model_profile(cfg.model, trainer.trainable_params, plan.transformer_params, cfg.reward)
 
 
 def _measured_note(cfg: Config, measured: MeasuredCost) -> str:

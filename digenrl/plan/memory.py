@@ -15,7 +15,19 @@ counts, per role:
   three-block copies); rollout devices: the peak of one no-grad forward of a rollout token's samples,
   or of decoding one fragment, whichever is larger;
 * the VAE where decoding happens (rollout devices; trainers too when they generate, TAG) and the text
-  encoders there unless ``model.offload_text_encoder`` (then they sit in host memory between uses).
+  encoders there unless ``model.offload_text_encoder`` (then they sit in host memory between uses);
+* the learned reward models (``sim/reward_models.py``: CLIP-L for ``clipscore`` / ``aesthetic``, CLIP-H for
+  ``pickscore`` / ``hpsv2``; read from the model directory's ``config.json`` when there is one, else the
+  published size, which the notes say) in ``reward.dtype`` (``""``: bf16 on CUDA, fp32 elsewhere, as the
+  rewards resolve it), plus the activations of one scoring forward (``batch_size`` images of a fragment; the
+  colocated loop scores its whole batch) where scoring happens: on the reward actors with
+  ``placement.reward >= 1``; otherwise on whoever holds the finished latents, the rollout actors and the
+  trainers that generate (TAG), or the colocated device. ``reward.device = "cpu"`` keeps them in host memory
+  instead. Rewards scored on the host or on a server hold nothing here. Every generating actor builds the
+  reward in its setup, so beside reward actors the rollout actors and TAG trainers hold an unused copy (no
+  activations), which the plan counts as it is.
+  A reward actor also builds the frozen policy (``RewardActor`` sets up the whole pipeline for its VAE),
+  which the plan counts as it is.
 
 The device is ``placement.gpu`` (the simulator's catalog) when ``model.device`` is CUDA, else this
 host's memory. ``RESERVE_BYTES`` per device is kept back for the CUDA context and allocator slack.
@@ -34,7 +46,7 @@ import torch
 from digenrl.config import Config
 from digenrl.errors import ConfigError
 
-__all__ = ["SharedGpu", "planned_vs_measured", "RESERVE_BYTES", "RoleMemory", "MemoryPlan", "memory_plan", "check_memory", "device_capacity"]
+__all__ = ["SharedGpu", "planned_vs_measured", "RESERVE_BYTES", "RoleMemory", "RewardModelMemory", "MemoryPlan", "memory_plan", "check_memory", "device_capacity"]
 
 GB = 1e9
 RESERVE_BYTES = int(2 * GB)  # CUDA context (~0.5 GB) + caching-allocator fragmentation
@@ -60,14 +72,15 @@ class RoleMemory:
     activations: int = 0
     vae: int = 0
     text_encoders: int = 0
-    host_bytes: int = 0  # offloaded text encoders, in host memory
+    reward_models: int = 0  # the learned reward models' weights where this role scores
+    host_bytes: int = 0  # offloaded text encoders (and reward models under reward.device = "cpu"), in host memory
     capacity: int = 0
     notes: list[str] = field(default_factory=list)
 
     @property
     def bytes_per_device(self) -> int:
         return (self.weights + self.reference + self.trainable + self.grads + self.optimizer + self.activations
-                + self.vae + self.text_encoders)
+                + self.vae + self.text_encoders + self.reward_models)
 
     @property
     def headroom(self) -> int:
@@ -104,6 +117,7 @@ class MemoryPlan:
     decode_sample: int = 0  # decoding one sample (rollout.decode_batch of them at once)
     decode_samples: int = 0  # samples decoded at once now
     shared: list[SharedGpu] = field(default_factory=list)  # GPUs that several actors share (placement.actors_per_gpu)
+    rewards: list[RewardModelMemory] = field(default_factory=list)  # the weighted rewards' models, where they score
 
     @property
     def fits(self) -> bool:
@@ -118,9 +132,31 @@ class MemoryPlan:
             "train": {"shard": self.shard, "rows_per_pass": self.rows_per_pass},
             "activations": self.activations,
             "roles": {name: r.to_json() for name, r in self.roles.items()},
+            "reward_models": [asdict(m) for m in self.rewards],
             **({"shared_gpus": [g.to_json() for g in self.shared]} if self.shared else {}),
             "fits": self.fits,
         }
+
+
+@dataclass
+class RewardModelMemory:
+    """One weighted reward's model as the plan counts it (bytes; ``source``: its ``config.json`` or the
+    published size)."""
+
+    reward: str
+    arch: str
+    params: int
+    dtype: str
+    weights: int
+    activations: int  # scoring ``batch`` samples
+    batch: int
+    source: str
+    where: str  # the roles that score, or "host"
+
+    def note(self) -> str:
+        return (f"reward model {self.reward}: {self.arch}, {self.params / 1e6:.1f} M params x "
+                f"{self.weights // max(1, self.params)} B ({self.dtype}) = {self.weights / GB:.2f} GB, scoring "
+                f"{self.batch} samples {self.activations / GB:.2f} GB of activations; {self.source}")
 
 
 @dataclass
@@ -240,6 +276,80 @@ def _sizes(cfg: Config) -> tuple[int, int]:
     return rows, w.samples_per_batch if colocated else sizes.rollout_batch
 
 
+def _score_batch(cfg: Config) -> int:
+    """Samples one reward call scores: a fragment (a REWARD token scores its fragments one at a time); the
+    colocated loop scores its whole batch at once (each learned reward then forwards ``batch_size`` at a time)."""
+    from digenrl.policy import trained_steps
+    from digenrl.schedule.base import Workload
+    from digenrl.schedule.options import PRESETS, resolve, with_overrides
+
+    ro, place = cfg.rollout, cfg.placement
+    w = Workload(1, ro.prompts_per_batch, ro.group_size, ro.num_steps, trained_steps(cfg))
+    if cfg.schedule.name == "colocated":
+        return w.samples_per_batch
+    sizes = resolve(with_overrides(PRESETS[cfg.schedule.name], cfg.schedule_options), w, max(1, place.rollout),
+                    place.trainer)
+    return min(w.samples_per_batch, sizes.fragment_groups * sizes.fragment_members)
+
+
+def _reward_models(cfg: Config, where: str) -> list[RewardModelMemory]:
+    """The weighted rewards' models of ``cfg`` (``sim/reward_models.py``) in ``reward.dtype``, with the
+    activations of one scoring forward."""
+    from digenrl.sim.reward_models import reward_models, score_batch
+
+    r = cfg.reward
+    # reward.dtype "" is bf16 on CUDA and fp32 elsewhere (rewards/_learned.py resolve_dtype)
+    dtype_name = r.dtype or ("bfloat16" if (r.device or cfg.model.device).startswith("cuda") else "float32")
+    nbytes = torch.finfo(_DTYPES[dtype_name]).bits // 8
+    samples = _score_batch(cfg)
+    out = []
+    for m in reward_models(r):
+        batch = min(samples, score_batch(r, m.reward))
+        out.append(RewardModelMemory(m.reward, m.spec.arch, m.params, dtype_name, m.params * nbytes,
+                                     m.spec.activation_bytes(batch, nbytes), batch, m.source, where))
+    return out
+
+
+def _reward_notes(cfg: Config) -> list[str]:
+    """The weighted rewards that hold nothing on the devices, and where they run."""
+    from digenrl.sim.reward_models import OFF_DEVICE
+
+    return [f"reward {name}: {OFF_DEVICE[name]}, nothing on the devices"
+            for name, w in cfg.reward.weights.items() if w and name in OFF_DEVICE]
+
+
+def _place_rewards(cfg: Config, roles: dict[str, RoleMemory]) -> list[RewardModelMemory]:
+    """Add the reward models to the roles that score (see the module docstring); returns the models."""
+    place = cfg.placement
+    on_host = cfg.reward.device.startswith("cpu") and cfg.model.device.startswith("cuda")
+    if cfg.schedule.name == "colocated":
+        scorers = ["colocated"]
+    elif place.reward:
+        # The generating actors build theirs only if every reward actor dies (FragmentEngine.reward): none here
+        scorers = ["reward"]
+    else:  # the holder of the finished latents scores them
+        scorers = [n for n in ("rollout", "trainer") if n in roles and (n == "rollout" or cfg.trainers_generate)]
+    models = _reward_models(cfg, "host" if on_host else " + ".join(scorers))
+    for name in scorers:
+        _add_rewards(roles[name], models, on_host, _reward_notes(cfg))
+    return models
+
+
+def _add_rewards(r: RoleMemory, models: list[RewardModelMemory], on_host: bool, notes: list[str]) -> None:
+    """The reward models a scoring role ``r`` holds: their weights, and the larger of its activations and one
+    scoring forward's (scoring never overlaps that role's other passes; the models score one after another)."""
+    r.notes += [m.note() for m in models] + notes
+    if not models:
+        return
+    weights = sum(m.weights for m in models)
+    r.activations = max(r.activations, max(m.activations for m in models))
+    if on_host:
+        r.host_bytes += weights
+        r.notes.append(f"reward models in host memory (reward.device = 'cpu'): {weights / GB:.2f} GB")
+    else:
+        r.reward_models += weights
+
+
 def _cfg_branches(cfg: Config) -> int:
     """Rows per forward row: true CFG runs both branches in one batch (Qwen-Image, Wan2.1)."""
     return 2 if cfg.model.name in ("qwenimage", "wan21") and cfg.model.guidance_scale > 1.0 else 1
@@ -356,26 +466,33 @@ def memory_plan(cfg: Config, traces: Traces | None = None) -> MemoryPlan:
             r.notes.append("also generates (TAG/colocated): VAE and rollout activations")
         return r
 
+    def frozen(role: str, devices: int, dev: str, cap: int, activations: int) -> RoleMemory:
+        """A role that holds the frozen policy and decodes: rollout actors, reward actors."""
+        r = RoleMemory(role, devices, dev, capacity=cap)
+        r.weights = n_transformer * nbytes
+        r.trainable_params = n_train if lora else 0
+        r.trainable = n_train * nbytes if lora else 0
+        r.activations = activations
+        r.vae = vae_bytes
+        r.text_encoders, r.host_bytes = (0, text_bytes) if m.offload_text_encoder else (text_bytes, 0)
+        return r
+
     roles: dict[str, RoleMemory] = {}
     if colocated:
         roles["colocated"] = trainer("colocated", 1, True)
     else:
         if place.rollout:
-            r = RoleMemory("rollout", place.rollout, rollout_device, capacity=rollout_capacity)
-            r.weights = n_transformer * nbytes
-            r.trainable_params = n_train if lora else 0
-            r.trainable = n_train * nbytes if lora else 0
-            r.activations = rollout_act
-            r.vae = vae_bytes
-            r.text_encoders, r.host_bytes = (0, text_bytes) if m.offload_text_encoder else (text_bytes, 0)
-            roles["rollout"] = r
+            roles["rollout"] = frozen("rollout", place.rollout, rollout_device, rollout_capacity, rollout_act)
         roles["trainer"] = trainer("trainer", n_trainer, cfg.trainers_generate)
         if place.reward:
-            roles["reward"] = RoleMemory("reward", place.reward, device, capacity=capacity,
-                                         notes=["reward models are not planned (OCR runs on the host, remote "
-                                                "rewards on their own servers)"])
+            score = _score_batch(cfg)
+            r = roles["reward"] = frozen("reward", place.reward, device, capacity,
+                                         decode_act * min(score, cfg.rollout.decode_batch or score))
+            r.notes.append("decodes and scores; also holds the frozen policy RewardActor builds for its VAE (the "
+                           "transformer and text encoders are unused there)")
+    models = _place_rewards(cfg, roles)
     return MemoryPlan(m.name, getattr(parts, "variant", ""), m.preset, device, capacity, shard, n_transformer, n_text,
-                      n_vae, rows, ACTIVATIONS_METHOD, roles, shared=_shared_gpus(cfg, roles),
+                      n_vae, rows, ACTIVATIONS_METHOD, roles, shared=_shared_gpus(cfg, roles), rewards=models,
                       train_row_bytes=(train_act - one_row_act) // (rows - 1) if rows > 1 else one_row_act,
                       train_activations=train_act, rollout_forward=forward_act, decode_sample=decode_act,
                       decode_samples=min(roll_samples, cfg.rollout.decode_batch or roll_samples))
@@ -490,7 +607,8 @@ def check_memory(cfg: Config, plan: MemoryPlan | None = None) -> MemoryPlan:
                 f"memory: the {r.role} role needs {r.bytes_per_device / GB:.1f} GB per device but a {r.device} "
                 f"has {(r.capacity - RESERVE_BYTES) / GB:.1f} GB usable (weights {r.weights / GB:.1f}, trainable "
                 f"{r.trainable / GB:.1f}, grads {r.grads / GB:.1f}, optimizer {r.optimizer / GB:.1f}, activations "
-                f"{r.activations / GB:.1f}, VAE {r.vae / GB:.1f}, text encoders {r.text_encoders / GB:.1f}); "
+                f"{r.activations / GB:.1f}, VAE {r.vae / GB:.1f}, text encoders {r.text_encoders / GB:.1f}, reward "
+                f"models {r.reward_models / GB:.1f}); "
                 f"{_advice(cfg, plan, r)} (see `digenrl plan`)")
     for g in plan.shared:
         if not g.fits:

@@ -198,9 +198,10 @@ def _score(bench: TokenBench, b: int) -> None:
     with torch.no_grad():
         images, prompts = bench.model.decode(bench.fresh(b).x), bench.prompts[:b]
     seconds, runs = bench.timed(lambda _: bench.reward.score(images, prompts))
-    bench.add(Measurement("reward score", b, "samples", seconds, runs, note=(
-        "the config's reward on the host; the simulator prices a reward model's FLOPs on the device "
-        "(its paper profiles'), none here")))
+    flops = b * bench.profile.reward_flops or None
+    bench.add(Measurement("reward score", b, "samples", seconds, runs, flops, "sim/reward_models.py" if flops else "",
+                          note="the config's reward models on reward.device" if flops else
+                          "the config's rewards run on the host: no device FLOPs"))
 
 
 def _optim(bench: TokenBench) -> None:

@@ -83,7 +83,7 @@ class ConfigProfile:
     cfg_train: int
     trainable_params: int
     text_encoder_params: float
-    reward_flops: float  # the config's rewards are host functions: no device FLOPs
+    reward_flops: float  # the config's learned reward models per sample (0: host rewards, sim/reward_models.py)
     forward_flops: int
     decode_flops: int
     publish_bytes: int
@@ -151,8 +151,7 @@ class TokenBench:
         self.model: Any = build_model(cfg)[0]
         prepare_for_training(self.model, cfg, generates=True)
         self.params = trainable_parameters(self.model)
-        self.reward = build_reward(r.weights, url=r.url or None, timeout=r.timeout, retries=r.retries,
-                                   image_format=r.image_format, on_error=r.on_error, penalty=r.penalty)
+        self.reward = build_reward(r.weights, **r.build_options(cfg.model.device))
         self.engine = FragmentEngine(cfg, self.model, self.reward)
 
     def _sizes_of_tokens(self, max_batch: int, max_rows: int) -> None:
@@ -279,13 +278,15 @@ class TokenBench:
     def _profile(self) -> ConfigProfile:
         from digenrl.models.lora import trainable_state_dict
         from digenrl.policy import text_encoders
+        from digenrl.sim.reward_models import reward_flops
 
         m = self.model
         text = sum(p.numel() for n in text_encoders(m) for p in getattr(m.pipe, n).parameters())
         state = trainable_state_dict(m, copy_tensors=False).values()
         return ConfigProfile(
             f"{self.cfg.model.name} {self.cfg.model.preset}", self.arch, self.shape, self.passes, self.passes,
-            sum(p.numel() for p in self.params), float(text), 0.0, self.pass_flops, self.decode_flops,
+            sum(p.numel() for p in self.params), float(text), reward_flops(self.cfg.reward), self.pass_flops,
+            self.decode_flops,
             sum(t.numel() * t.element_size() for t in state),
             sum(p.numel() * p.element_size() for p in m.transformer.parameters()), 4 * int(np.prod(m.latent_shape)))
 

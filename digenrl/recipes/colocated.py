@@ -39,7 +39,7 @@ from digenrl.recipes.checkpoint import find_checkpoint, load_state, write_checkp
 from digenrl.rewards import build_reward
 from digenrl.rewards.base import GuardedReward
 from digenrl.rewards.failures import FailureBudget
-from digenrl.rl.advantages import group_advantages
+from digenrl.rl.advantages import reward_advantages
 from digenrl.rl.loss import LossConfig, Sums, reduce_stats
 from digenrl.rl.lr import set_lr
 from digenrl.rl.noise import initial_keys, initial_latents, transition_noise
@@ -95,8 +95,7 @@ def setup(cfg: Config) -> ColocatedRun:
     t = cfg.train
     opt = torch.optim.AdamW(params, lr=t.lr, betas=(t.betas[0], t.betas[1]), weight_decay=t.weight_decay, eps=t.eps)
     r = cfg.reward
-    reward = build_reward(r.weights, url=r.url or None, timeout=r.timeout, retries=r.retries,
-                          image_format=r.image_format, on_error=r.on_error, penalty=r.penalty)
+    reward = build_reward(r.weights, **r.build_options(cfg.model.device))
     prompts = load_prompts(cfg.data.prompt_set, cfg.data.prompts, cfg.data.prompt_file)
     return ColocatedRun(
         cfg=cfg,
@@ -152,7 +151,10 @@ def iteration(run: ColocatedRun, it: int) -> tuple[dict[str, Any], torch.Tensor,
     if run.reward_budget is not None:  # before training on penalties
         run.reward_budget.add(it, failed, len(prompts), run.reward.last_error)
     t3 = time.perf_counter()
-    adv = group_advantages(rewards, groups, std=tr.adv_std, clip=tr.adv_clip)  # type: ignore[arg-type]
+    comps = {} if failed else getattr(run.reward.inner, "last_components", {})  # a failed call left stale ones
+    r = cfg.reward
+    adv = reward_advantages(rewards, groups, components=comps, weights=r.weights, normalize=r.normalize,  # type: ignore[arg-type]
+                            penalty=r.penalty, std=tr.adv_std, clip=tr.adv_clip)  # type: ignore[arg-type]
     a = adv.advantages
     if tr.control == "shuffled":  # negative control: break the sample <-> advantage pairing
         a = a[torch.randperm(a.shape[0], generator=gen)]
@@ -171,7 +173,6 @@ def iteration(run: ColocatedRun, it: int) -> tuple[dict[str, Any], torch.Tensor,
         _record(run.spans, it, len(prompts), [("rollout", t0, t1), ("reward", t1, t3), ("train", t3, t_step),
                                               ("optim", t_step, t4)])
     seconds, run.last_end = t4 - run.last_end, t4
-    comps = {} if failed else getattr(run.reward.inner, "last_components", {})
     bubble = max(0.0, 1.0 - (t4 - t0) / seconds)  # the one process idles only between iterations (files)
     metrics = StepMetrics(
         step=it, version=it + 1, time=t4 - run.t0, seconds=seconds, samples_per_s=len(prompts) / seconds,

@@ -13,7 +13,9 @@ later, deeper, or inside an actor process as a remote traceback. In the run's or
    Ray is installed for ``cluster.launcher = "ray"``, the ``transport.keys`` directory can be read and
    is its owner's alone, and an address reachable from other hosts has keys;
 3. ``model.init`` fits ``model.preset``;
-4. the remote reward answers at ``reward.url``.
+4. the rewards: ``reward.device`` exists here, every weighted learned reward's files (the paths of its
+   ``[reward.models.<name>]`` table, their ``config.json`` and state-dict headers: the architecture, never
+   the weights) and its optional extra, and the remote reward answers at ``reward.url``.
 
 Not here: the memory plan (``digenrl.plan.memory.check_memory``, the CLI's second call: the planner
 sits above the recipes), and what needs the spawned processes (a free port, workers that join, the
@@ -93,22 +95,43 @@ def check_init(cfg: Config) -> None:
 
 
 def check_reward(cfg: Config) -> None:
-    """The remote reward answers at ``reward.url`` (an empty batch: nothing is scored).
+    """The rewards can be built here: ``reward.device``, the learned rewards' files, the remote reward.
 
-    Skipped when no remote reward is weighted, or when its failures can never stop the run
-    (``on_error = "penalty"`` with ``max_failure_fraction = 1``: every failed sample is penalised).
+    A CUDA ``reward.device`` needs a CUDA device on this host (unless Ray places the actors). Each weighted learned reward checks its
+    ``[reward.models.<name>]`` paths, what their headers say about the architecture and its optional extra
+    (``digenrl.rewards.registry.check_reward_files``; cheap: no weights are read). The remote reward must
+    answer at ``reward.url`` (an empty batch: nothing is scored) and the ``vlm_judge`` server must list its
+    model; those probes are skipped when their failures can never stop the run (``on_error = "penalty"``
+    with ``max_failure_fraction = 1``: every failed sample is penalised).
 
     Raises:
-        ConfigError: ``reward.url`` and the reward's own message (nothing answers, HTTP 404, not a URL).
+        ConfigError: naming ``reward.device``, ``reward.models.<name>.<key>`` / ``reward.weights.<name>``, or
+            ``reward.url`` with the reward's own message (nothing answers, HTTP 404, not a URL).
     """
+    import torch
+
     from digenrl.rewards import RewardError
+    from digenrl.rewards.registry import check_reward_files
     from digenrl.rewards.remote import RemoteReward
 
     r = cfg.reward
-    if "remote" not in r.weights or (r.on_error == "penalty" and r.max_failure_fraction >= 1):
-        return
-    try:
-        RemoteReward(r.url, timeout=r.timeout, retries=r.retries, image_format=r.image_format).probe()
-    except (RewardError, ValueError) as exc:
-        raise ConfigError(f"reward.url: {exc}") from None
+    placed = cfg.cluster.launcher == "ray"  # Ray places the actors on its GPU nodes: the driver may have none
+    if r.device.startswith("cuda") and not placed and not torch.cuda.is_available():
+        raise ConfigError(f"reward.device = {r.device!r}, but this host has no CUDA device; use 'cpu' or '' (the "
+                          f"actor's model.device, {cfg.model.device!r})")
+    check_reward_files(r.weights, r.models)
+    if r.on_error == "penalty" and r.max_failure_fraction >= 1:
+        return  # a served reward's failures can never stop this run: nothing to probe
+    if "remote" in r.weights:
+        try:
+            RemoteReward(r.url, timeout=r.timeout, retries=r.retries, image_format=r.image_format).probe()
+        except (RewardError, ValueError) as exc:
+            raise ConfigError(f"reward.url: {exc}") from None
+    if "vlm_judge" in r.weights:
+        from digenrl.rewards.vlm import vlm_judge
+
+        try:  # (a bad table is a ConfigError of its own, naming the key)
+            vlm_judge(r.models.get("vlm_judge", {})).probe()  # the model is served at base_url; nothing scored
+        except (RewardError, ValueError) as exc:
+            raise ConfigError(f"reward.models.vlm_judge: {exc}") from None
 

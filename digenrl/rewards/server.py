@@ -4,6 +4,7 @@ another machine). It speaks the JSON of :mod:`digenrl.rewards._wire`.
 Run one::
 
     python -m digenrl.rewards.server --reward jpeg_compressibility --port 0
+    python -m digenrl.rewards.server --reward clipscore --set path=/models/clip-vit-large-patch14 --device cuda
 
 It binds to 127.0.0.1 unless ``--host`` says otherwise and writes its URL as the first line of stdout
 (useful with ``--port 0``). It scores on ``POST /score`` and, for a ``reward.url`` given as a bare base
@@ -21,6 +22,7 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+from digenrl.errors import ConfigError
 from digenrl.rewards._wire import decode_images
 from digenrl.rewards.base import Reward, RewardError
 
@@ -134,12 +136,20 @@ def main(argv: list[str] | None = None) -> None:
 
     ap = argparse.ArgumentParser(description="Serve a digenrl reward over HTTP (JSON).")
     ap.add_argument("--reward", required=True, choices=[n for n in REWARD_NAMES if n != "remote"])
+    ap.add_argument("--set", dest="table", action="append", default=[], metavar="KEY=VALUE",
+                    help="an entry of the reward's [reward.models.NAME] table, e.g. --set path=/models/clip (repeatable)")
+    ap.add_argument("--device", default="cpu", help="where the reward runs: cpu, cuda or cuda:K")
+    ap.add_argument("--dtype", default="", help="float32, bfloat16 or float16 (default: bf16 on cuda, fp32 on cpu)")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=0)
     ap.add_argument("--max-bytes", type=int, default=64 << 20)
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
-    srv = RewardServer(make_reward(args.reward), host=args.host, port=args.port, max_bytes=args.max_bytes)
+    try:
+        reward = make_reward(args.reward, table=_table(ap, args.table), device=args.device, dtype=args.dtype)
+    except ConfigError as exc:  # one line naming the key (reward.models.NAME.KEY is --set KEY here)
+        ap.error(str(exc))
+    srv = RewardServer(reward, host=args.host, port=args.port, max_bytes=args.max_bytes)
     sys.stdout.write(srv.url + "\n")  # the URL is this program's output (for --port 0), not a status line
     sys.stdout.flush()
     try:
@@ -148,6 +158,22 @@ def main(argv: list[str] | None = None) -> None:
         pass
     finally:
         srv.close()
+
+
+def _table(ap: argparse.ArgumentParser, items: list[str]) -> dict[str, Any]:
+    """``--set KEY=VALUE`` entries as the reward's table (values as TOML literals; bare words are strings)."""
+    import tomllib
+
+    table: dict[str, Any] = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip():
+            ap.error(f"--set {item!r}: expected KEY=VALUE")
+        try:
+            table[key.strip()] = tomllib.loads(f"v = {raw.strip()}")["v"]
+        except tomllib.TOMLDecodeError:
+            table[key.strip()] = raw.strip()
+    return table
 
 
 if __name__ == "__main__":

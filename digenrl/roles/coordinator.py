@@ -269,9 +269,10 @@ class Coordinator:
     def _book(self, batch: int) -> _Book:
         book = self._books.get(batch)
         if book is None:
-            ro, tr = self.cfg.rollout, self.cfg.train
+            ro, tr, r = self.cfg.rollout, self.cfg.train, self.cfg.reward
             assembler = GroupAssembler(ro.group_size, std=tr.adv_std, num_groups=ro.prompts_per_batch,  # type: ignore[arg-type]
-                                       clip=tr.adv_clip)
+                                       clip=tr.adv_clip, normalize=r.normalize, weights=r.weights,  # type: ignore[arg-type]
+                                       penalty=r.penalty)
             book = self._books[batch] = _Book(batch_prompts(self.prompts, self.cfg.log.seed, batch,
                                                             ro.prompts_per_batch), assembler)
         return book
@@ -481,7 +482,7 @@ class Coordinator:
                 for name, scores in comps.items():
                     book.components.setdefault(name, {}).update(zip(sids, map(float, scores), strict=True))
                 prompts = [frag.prompt_start + i // frag.num_members for i in range(frag.num_samples)]
-                completed += book.assembler.add(prompts, sids, rewards)
+                completed += book.assembler.add(prompts, sids, rewards, comps)  # comps: {} when the call failed
             for imgs, frag in zip(result.get("images", []), token.fragments, strict=False):
                 book.images[frag.index] = imgs
             for group in completed:

@@ -14,6 +14,7 @@ and scores finished ones, with one model: a rollout actor's, or a trainer's when
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -114,13 +115,22 @@ class Scored:
 class FragmentEngine:
     """Generation and scoring of fragments with one model (a rollout actor's, or a trainer's for TAG)."""
 
-    def __init__(self, cfg: Config, model: GeneratorModel, reward: Any | None = None) -> None:
+    def __init__(self, cfg: Config, model: GeneratorModel, reward: Any | None = None,
+                 make_reward: Callable[[], Any] | None = None) -> None:
         self.cfg = cfg
         self.model = model
-        self.reward = reward
+        self._reward, self._make_reward = reward, make_reward
         self.sigmas = model.sigmas(cfg.rollout.num_steps)
         self.fragments: dict[tuple[int, int], FragmentData] = {}
         self._cond_cache: dict[str, dict[str, torch.Tensor]] = {}
+
+    @property
+    def reward(self) -> Any | None:
+        """The reward; given only ``make_reward``, built at its first use: an actor that scores only when every
+        reward actor has died holds no reward model until then (a learned one is gigabytes)."""
+        if self._reward is None and self._make_reward is not None:
+            self._reward = self._make_reward()
+        return self._reward
 
     @property
     def device(self) -> torch.device:

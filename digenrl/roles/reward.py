@@ -35,7 +35,7 @@ class RewardActor(GenerationMixin, Actor):
         self.peers = {}
 
     async def setup(self) -> None:
-        await self._setup_frozen_engine()
+        await self._setup_frozen_engine(scores=True)
 
     async def __cleanup__(self, exc: BaseException | None) -> None:
         if hasattr(self, "pool"):

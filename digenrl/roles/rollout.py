@@ -19,6 +19,7 @@ import asyncio
 import concurrent.futures
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -33,7 +34,7 @@ from digenrl.roles.fragments import FragmentData, FragmentEngine, probe_velocity
 from digenrl.roles.weights import CommReceiver, WeightStore, unpack_buckets
 from digenrl.telemetry.memory import peak_memory
 
-__all__ = ["GenerationMixin", "RolloutActor", "limit_threads"]
+__all__ = ["GenerationMixin", "RolloutActor", "limit_threads", "reward_builder"]
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +51,14 @@ def limit_threads(threads: int) -> None:
         torch.set_num_interop_threads(1)
     except RuntimeError:  # parallel work already ran in this process (in-process actors)
         pass
+
+
+def reward_builder(cfg: Config) -> Callable[[], Any]:
+    """Builds ``cfg``'s reward (on the caller's thread: a learned reward loads its model there)."""
+    from digenrl.rewards import build_reward
+
+    r = cfg.reward
+    return lambda: build_reward(r.weights, **r.build_options(cfg.model.device))
 
 
 def parse_sources(token: dict[str, Any]) -> list[tuple[list[int], str]]:
@@ -104,22 +113,24 @@ class GenerationMixin:
             raise KeyError(f"{self.name} holds no fragment ({batch}, {index})")
         return frag.to_wire()
 
-    async def _setup_frozen_engine(self) -> GeneratorModel:
+    async def _setup_frozen_engine(self, scores: bool) -> GeneratorModel:
         """Threads, config, compute thread, reward and a frozen policy copy: the setup of actors that
-        generate or score but never train (``self.config``, ``self.threads`` and ``self.ref`` set)."""
-        from digenrl.rewards import build_reward
+        generate or score but never train (``self.config``, ``self.threads`` and ``self.ref`` set).
 
+        ``scores``: this actor scores every fragment it finishes (a reward actor; a rollout actor when there
+        is none), so its reward is built now; otherwise at first use (only once every reward actor died).
+        """
         limit_threads(self.threads)
         self.cfg = config_from_dict(self.config)
         self.name = self.ref.name  # type: ignore[attr-defined]  # the Actor this mixes into
         self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"digenrl-{self.name}")
-        r = self.cfg.reward
-        reward = build_reward(r.weights, url=r.url or None, timeout=r.timeout, retries=r.retries,
-                              image_format=r.image_format, on_error=r.on_error, penalty=r.penalty)
+        make = reward_builder(self.cfg)
+        # On the compute thread: a learned reward loads its model there, and the event loop keeps serving.
+        reward = await self._compute(make) if scores else None
         model, _ = await self._compute(build_model, self.cfg)
         model.transformer.requires_grad_(False)
         prepare_for_generation(model, self.cfg)
-        self.engine = FragmentEngine(self.cfg, model, reward)
+        self.engine = FragmentEngine(self.cfg, model, reward, make_reward=make)
         return model
 
     async def _compute(self, fn: Any, *args: Any) -> Any:
@@ -204,7 +215,8 @@ class RolloutActor(GenerationMixin, Actor):
         self.peers = {}
 
     async def setup(self) -> None:
-        model = await self._setup_frozen_engine()
+        # Without reward actors the rollout actor scores the fragments it finishes.
+        model = await self._setup_frozen_engine(scores=not self.config["placement"]["reward"])
         self.weights = WeightStore(model, version=-1)
         # The gloo / nccl weight lane (idle on the zmq lane); NCCL buffers live on the model's device.
         self._lane = CommReceiver(self.weights, self.cfg.model.device if self.cfg.transport.weights == "nccl" else None)

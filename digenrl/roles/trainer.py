@@ -42,7 +42,7 @@ from digenrl.rl.lr import set_lr
 from digenrl.rl.rollout import TransitionBatch
 from digenrl.rl.tsp import packed_backward, parity_recompute, per_step_backward, sliced_backward
 from digenrl.roles.fragments import FragmentData, FragmentEngine, probe_velocity
-from digenrl.roles.rollout import GenerationMixin, limit_threads
+from digenrl.roles.rollout import GenerationMixin, limit_threads, reward_builder
 from digenrl.roles.trainer_group import (TrainerGroup, all_reduce_buckets, gathered_state_dict, group_backend,
                                          open_store, shard_model)
 from digenrl.roles.weights import pack_buckets, state_digest
@@ -73,8 +73,6 @@ class TrainerActor(GenerationMixin, Actor):
         self.peers = {}
 
     async def setup(self) -> None:
-        from digenrl.rewards import build_reward
-
         limit_threads(self.threads)
         self.cfg = cfg = config_from_dict(self.config)
         self.name = self.ref.name
@@ -88,10 +86,11 @@ class TrainerActor(GenerationMixin, Actor):
         self._new_optimizer()
         t = cfg.train
         self.loss_cfg = LossConfig(clip_range=t.clip_range, kl_beta=t.kl_beta, kl_kind=t.kl)  # type: ignore[arg-type]
-        r = cfg.reward
-        reward = build_reward(r.weights, url=r.url or None, timeout=r.timeout, retries=r.retries,
-                              image_format=r.image_format, on_error=r.on_error, penalty=r.penalty)
-        self.engine = FragmentEngine(cfg, self.model, reward)
+        # A trainer that generates (TAG) scores what it finishes when no reward actor does: its reward is built
+        # now, on the compute thread (a learned one loads its model there); otherwise at first use.
+        make = reward_builder(cfg)
+        scores = cfg.trainers_generate and not cfg.placement.reward
+        self.engine = FragmentEngine(cfg, self.model, await self._compute(make) if scores else None, make_reward=make)
         self.store: dict[tuple[int, int], FragmentData] = {}
         self.version = 0
         self._previous: dict[str, torch.Tensor] | None = None  # version - 1's weights, for a stale checkpoint

@@ -11,9 +11,13 @@ Which profile prices what:
   at the requested size (``""``: the recipe's own, the largest);
 - a config (``digenrl plan --fleet``): ``model_profile(cfg.model)``, the config's model at ``model.variant``
   with its resolution, frames, text length, CFG passes (``guidance_scale``) and trainable set
-  (``finetune``, ``lora_rank``); the text encoder and reward model stay the paper recipe's
-  (``ModelProfile.describe`` says so). It reads the ``[model]`` table through :class:`ModelSpec` (the
-  simulator sits below the config layer).
+  (``finetune``, ``lora_rank``); the text encoder stays the paper recipe's, and so does the reward model
+  unless the ``[reward]`` table is passed too: then a REWARD token is priced with the FLOPs of the config's
+  weighted reward models (``reward_models.py``: CLIP-L / CLIP-H at 224 px, read from the model
+  directory's ``config.json`` where there is one; rewards scored on the host or on a server cost the
+  devices nothing). ``ModelProfile.describe`` says which. It reads the ``[model]`` and
+  ``[reward]`` tables through :class:`ModelSpec` and :class:`RewardSpec` (the simulator sits below the
+  config layer).
 """
 
 from __future__ import annotations
@@ -25,8 +29,9 @@ from typing import Protocol
 
 from digenrl.errors import ConfigError
 from digenrl.sim.flops import SampleShape, default_variant, forward_flops, param_count, variant_config
+from digenrl.sim.reward_models import OFF_DEVICE, PUBLISHED, reward_models
 
-__all__ = ["ModelProfile", "ModelSpec", "PROFILES", "ARCH_OF_MODEL", "profile", "model_profile", "vae_decode_flops",
+__all__ = ["ModelProfile", "ModelSpec", "RewardSpec", "PROFILES", "ARCH_OF_MODEL", "profile", "model_profile", "vae_decode_flops",
            "count_vae_decode_flops", "lora_params"]
 
 BF16 = 2
@@ -147,6 +152,23 @@ def vae_decode_flops(arch: str, shape: SampleShape) -> int:
     return count_vae_decode_flops(arch, shape)
 
 
+class RewardSpec(Protocol):
+    """What :func:`model_profile` reads of a config's ``[reward]`` table (``digenrl.config.RewardConfig``):
+    ``weights`` and, where set, the ``models.<name>`` tables (``reward_models.model_path``)."""
+
+    @property
+    def weights(self) -> dict[str, float]: ...
+
+
+def _reward_terms(reward: RewardSpec) -> tuple[float, str]:
+    """FLOPs per scored sample of the config's weighted rewards, and what they are."""
+    models = reward_models(reward)
+    parts = [f"{m.reward}: {m.spec.arch}, {m.flops_per_image / 1e9:.1f} GFLOP per image" for m in models]
+    off = [f"{name}: {OFF_DEVICE[name]}" for name, w in reward.weights.items() if w and name in OFF_DEVICE]
+    what = "; ".join(parts + [f"{x}, no device FLOPs" for x in off]) or "no weighted reward"
+    return float(sum(m.flops_per_image for m in models)), f"reward from the config ({what})"
+
+
 @dataclass(frozen=True, slots=True)
 class ModelProfile:
     """What one training recipe of one model costs, per sample.
@@ -251,11 +273,11 @@ PROFILES: dict[str, ModelProfile] = {
         "Qwen-Image-20B", "qwen-image", SampleShape.from_pixels(1, 512, 512, 64), 2, 2,
         lora_params("qwen-image", 64, "attn+mlp"), 7.6e9, _reward_vlm(8.8e9, 352), "20B"),
     # DanceGRPO FLUX (16 GPUs): 720^2, guidance-distilled (one pass), full fine-tune, T5 embeddings
-    # precomputed at 512 tokens (so no text-encoder cost). Reward HPS-v2.1 (OpenCLIP ViT-H/14, ~0.99 B
-    # params; 257 image + 77 text tokens).
+    # precomputed at 512 tokens (so no text-encoder cost). Reward HPS-v2.1 (OpenCLIP ViT-H/14, 0.99 B
+    # params): its image tower on 257 tokens and text tower on 77, counted (reward_models.py: 381.7 GFLOP).
     "flux": ModelProfile(
         "FLUX.1-12B", "flux", SampleShape.from_pixels(1, 720, 720, 512), 1, 1,
-        param_count("flux"), 0.0, _reward_vlm(0.99e9, 334), "12B"),
+        param_count("flux"), 0.0, float(PUBLISHED["hpsv2"].flops_per_image), "12B"),
     # flow_grpo general_ocr_wan2_1 recipe on the 14 B model (the GenRL baseline trains Wan2.1-14B):
     # 240x416, 33 frames, CFG 4.5 = two passes in rollout and training, LoRA r32 on attention.
     # UMT5-XXL encoder (5.7 B) at 512 tokens. Reward video_ocr runs PaddleOCR on the CPU: no GPU FLOPs.
@@ -291,10 +313,11 @@ def profile(name: str, variant: str = "") -> ModelProfile:
 
 
 def model_profile(m: ModelSpec, trainable_params: int | None = None,
-                  transformer_params: int | None = None) -> ModelProfile:
+                  transformer_params: int | None = None, reward: RewardSpec | None = None) -> ModelProfile:
     """What one sample of a config costs (``m``: its ``[model]`` table): the model at ``model.variant`` (its
     block stacks cut to ``model.layers`` when set), its resolution, frames, text length, CFG passes and
-    trainable set; text encoder and reward model as the model's paper recipe.
+    trainable set; text encoder as the model's paper recipe; reward models as ``reward`` (the config's
+    ``[reward]`` table) weights them, or as the paper recipe without it.
 
     ``trainable_params`` / ``transformer_params``: the exact counts (the memory plan's, on the meta model,
     as ``plan.fleet.config_profile`` passes them); defaults: the ``lora_params`` formula on the model's
@@ -322,7 +345,10 @@ def model_profile(m: ModelSpec, trainable_params: int | None = None,
         lora = m.finetune == "lora"
         trainable_params = lora_params(arch, m.lora_rank, _LORA_TARGETS[arch], variant, layers) if lora else params
     paper = PROFILES[arch]
+    if reward is None:
+        reward_flops, recipe = paper.reward_flops, f"from the config, text encoder and reward model as the {paper.name} paper recipe"
+    else:
+        reward_flops, terms = _reward_terms(reward)
+        recipe = f"from the config, {terms}, text encoder as the {paper.name} paper recipe"
     return ModelProfile(f"{_FAMILY[arch]}-{variant}", arch, shape, passes, passes, trainable_params,
-                        paper.text_encoder_params, paper.reward_flops, variant,
-                        f"from the config, text encoder and reward model as the {paper.name} paper recipe",
-                        layers, transformer_params or 0)
+                        paper.text_encoder_params, reward_flops, variant, recipe, layers, transformer_params or 0)

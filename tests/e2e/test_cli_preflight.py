@@ -76,6 +76,12 @@ def _ready(config: str, tmp_path: Path, reward_url: str, *, address: bool = True
         sets.append(f"transport.keys='{create_keys(tmp_path / 'keys')}'")
     if "remote" in cfg.reward.weights:
         sets.append(f"reward.url='{reward_url}'")
+    for name in ("clipscore", "pickscore"):  # a tiny CLIPModel with its processor, as the learned rewards' tests make
+        if name in cfg.reward.weights:
+            from tests.rewards._learned_fixtures import tiny_clip_dir
+
+            d = tiny_clip_dir(tmp_path / name)
+            sets += [f"reward.models.{name}.path='{d}'", f"reward.models.{name}.processor_path='{d}'"]
     if address and config in PLACEHOLDER_CONFIGS:
         sets.append("transport.address=tcp://127.0.0.1:5555")
     return [arg for s in sets for arg in ("--set", s)]

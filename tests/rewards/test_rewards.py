@@ -107,8 +107,10 @@ def test_weighted_sum_and_failure_policy(caplog: pytest.LogCaptureFixture) -> No
     with caplog.at_level(logging.WARNING):
         assert torch.equal(guarded.score(imgs, ["nothing", "here"]), torch.tensor([-3.0, -3.0]))
     assert guarded.failures == 1 and "using penalty -3" in caplog.text
-    with pytest.raises(ConfigError, match="unknown reward 'aesthetic'.*allowed: jpeg_compressibility"):
-        build_reward({"aesthetic": 1.0})
+    with pytest.raises(ConfigError, match="unknown reward 'imagereward'.*allowed: jpeg_compressibility"):
+        build_reward({"imagereward": 1.0})
+    with pytest.raises(ConfigError, match=r"reward.models.aesthetic.path: the 'aesthetic' reward needs it"):
+        build_reward({"aesthetic": 1.0})  # a learned reward: its table names its weights
     with pytest.raises(ConfigError, match="needs a url"):
         build_reward({"remote": 1.0})
 
