@@ -69,6 +69,10 @@ def flow_match_sigmas(scheduler_config: Any, num_steps: int, image_seq_len: int 
     A *private* scheduler instance is built from the config and ``set_timesteps`` is called on it
     exactly as the stock pipelines call it (``linspace(1, 1/N, N)`` plus ``mu`` when the scheduler
     uses dynamic shifting). No shared scheduler state is read or written.
+
+    Raises:
+        ValueError: ``num_steps < 2`` with a ``shift_terminal`` scheduler (Qwen-Image), whose one-step
+            schedule is NaN in the stock pipeline too.
     """
     from diffusers import FlowMatchEulerDiscreteScheduler
 
@@ -84,6 +88,11 @@ def flow_match_sigmas(scheduler_config: Any, num_steps: int, image_seq_len: int 
             sched.config.get("base_shift", 0.5),
             sched.config.get("max_shift", 1.15),
         )
+    if sched.config.get("shift_terminal") and num_steps < 2:
+        # stretch_shift_to_terminal maps the last sigma to shift_terminal by dividing by (1 - last): with one
+        # step that sigma is 1 and the stock pipeline's schedule is [nan, 0] (Qwen-Image at 1 step)
+        raise ValueError(f"num_steps must be >= 2 with this scheduler (shift_terminal = {sched.config.shift_terminal}), "
+                         f"got {num_steps}")
     sched.set_timesteps(sigmas=np.linspace(1.0, 1.0 / num_steps, num_steps), **kwargs)
     return sched.sigmas.to(torch.float32).clone()
 

@@ -169,7 +169,11 @@ class QwenImageModel(DiffusersGenerator):
         return pack_2x2(noise[:, 0]).to(self.device)
 
     def sigmas(self, num_steps: int) -> torch.Tensor:
-        """The pipeline's schedule for ``num_steps`` steps at this resolution: ``[N+1]``, 1 → 0.02 → 0."""
+        """The pipeline's schedule for ``num_steps`` steps at this resolution: ``[N+1]``, 1 → 0.02 → 0.
+
+        Raises:
+            ValueError: ``num_steps < 2`` (``shift_terminal`` makes the stock one-step schedule NaN).
+        """
         check_num_steps(num_steps)
         return flow_match_sigmas(self.pipe.scheduler.config, num_steps, image_seq_len=self.latent_shape[0])
 

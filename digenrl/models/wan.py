@@ -7,9 +7,12 @@ timestep in scheduler units, ``t = 1000·sigma``, per row. Guidance is plain CFG
 negative prompt is ``""``.
 
 Sigmas come from Wan's ``UniPCMultistepScheduler`` config (flow sigmas, ``flow_shift = 3``, final sigma
-zero) via ``set_timesteps`` on a private instance; only its sigmas are used, never ``step``. The stock
-pipeline feeds the scheduler's int64-rounded timesteps; this adapter feeds the exact ``1000·sigma``
+zero) via ``set_timesteps`` on a private instance; only its sigmas are used, never ``step``: the sampler
+is first order on them (Euler at noise level 0), as flow_grpo's Wan sampler, where the stock pipeline
+steps UniPC's 2nd-order predictor-corrector. The stock pipeline also feeds the scheduler's int64
+timesteps, ``1000·sigma`` truncated (999.999 -> 999); this adapter feeds the exact ``1000·sigma``
 so that any per-row sigma (e.g. packed training rows) maps to the same input at rollout and training.
+``tests/models/test_oracle.py`` pins both differences against the stock pipeline (UniPC at order 1).
 
 Text: ``UMT5EncoderModel`` (tiny: random, with a byte-level ``T5Tokenizer``); embeddings are
 zero-padded to ``text_len`` exactly as the pipeline does (Wan attends to the zero padding, no mask).
