@@ -1,4 +1,4 @@
-"""Memory-plan benchmark: wall time of `digenrl plan` on the four shipped paper configs, in one process.
+"""Memory-plan benchmark: wall time of `digenrl plan` on the shipped real-model configs, in one process.
 
     python bench/plan.py                  # table: config, transformer params, seconds, fits
     python bench/plan.py --json out.json  # also write {"rows": [...]}
@@ -15,7 +15,7 @@ import json
 import time
 from pathlib import Path
 
-CONFIGS = ("qwenimage", "flux", "wan21", "hunyuanvideo")
+CONFIGS = ("qwenimage", "flux", "wan21", "hunyuanvideo", "sd3", "wan22")
 
 
 def main() -> None:

@@ -39,7 +39,10 @@ def format_plan(plan: MemoryPlan) -> str:
     width = max(len(name) for name, _ in rows) + 2
     lines = [f"{plan.model} {plan.variant} ({plan.preset}): transformer {plan.transformer_params / 1e9:.2f} B params, "
              f"text encoders {plan.text_encoder_params / 1e9:.2f} B, VAE {plan.vae_params / 1e9:.3f} B; "
-             f"trainer shard {plan.shard}, rows_per_pass {plan.rows_per_pass}",
+             f"trainer shard {plan.shard}, rows_per_pass {plan.rows_per_pass}"
+             + (f"; transformer_2 (second expert) {plan.expert_params / 1e9:.2f} B params, "
+                + ("idle expert in host memory (model.expert_offload)" if plan.expert_offload else "both resident")
+                if plan.expert_params else ""),
              f"device {plan.device}: {plan.capacity / GB:.1f} GB, 2 GB kept for the CUDA context and allocator",
              "GB per device".ljust(width) + "".join(r.role.rjust(12) for r in roles)]
     lines += [name.ljust(width) + "".join(fmt(r).rjust(12) for r in roles) for name, fmt in rows]

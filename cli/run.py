@@ -95,6 +95,14 @@ def _run(config: Path, set_: list[str] | None, out: Path | None, resume: Path | 
         console.print(line, markup=False)
     console.print(f"reward: first {s['window']} iters {s['first']:.4f} -> last {s['window']} {s['last']:.4f} "
                   f"(gain {s['gain']:+.4f}); outputs in {out_dir}", markup=False)
+    experts: dict[str, int] = {}  # a mixture-of-experts model (Wan2.2 A14B): which expert the trained rows ran
+    for m in history:
+        for key, n in m.items():
+            if key.startswith("rows_by_expert/"):
+                experts[key.split("/", 1)[1]] = experts.get(key.split("/", 1)[1], 0) + int(n)
+    if experts:
+        console.print("trained rows by expert: " + ", ".join(f"{k} {n}" for k, n in experts.items())
+                      + " (rows_by_expert/<expert> in metrics.jsonl)", markup=False)
 
 
 def _memory_lines(plan: MemoryPlan, out_dir: Path) -> list[str]:

@@ -130,6 +130,19 @@ class ModelConfig:
     # "default", "reduce-overhead" (CUDA graphs) or "max-autotune". Compiled kernels are cached in
     # TORCHINDUCTOR_CACHE_DIR (default ~/.cache/digenrl/torchinductor), so a later process or run reuses them.
     compile: str = ""
+    # Wan2.2 A14B's two experts (models/wan22.py, README "Wan2.2's two experts"): the low-noise expert's CFG
+    # scale (0 = guidance_scale), which experts train ("both" | "high" | "low"; the others stay frozen) and
+    # whether the idle expert's frozen weights wait in host memory (one 14B expert on the GPU at a time).
+    guidance_scale_2: float = 0.0
+    train_experts: str = "both"
+    expert_offload: bool = False
+
+    def experts(self) -> dict[str, object]:
+        """The Wan2.2 expert arguments of ``load_model`` (``{}`` for every other model)."""
+        if self.name != "wan22":
+            return {}
+        return {"guidance_scale_2": self.guidance_scale_2 or None, "train_experts": self.train_experts,
+                "expert_offload": self.expert_offload}
 
     def __post_init__(self) -> None:
         from digenrl.models import MODEL_NAMES, PRESETS
@@ -163,6 +176,13 @@ class ModelConfig:
             _choice("model.variant", self.variant, VARIANTS[self.name])
         _choice("model.text_encoder", self.text_encoder, TEXT_ENCODERS)
         _choice("model.compile", self.compile, COMPILE_MODES)
+        _choice("model.train_experts", self.train_experts, ("both", "high", "low"))
+        _check("model.guidance_scale_2", self.guidance_scale_2 >= 0, ">= 0 (0 = guidance_scale)", self.guidance_scale_2)
+        if self.name != "wan22":
+            for key, value, default in (("train_experts", self.train_experts, "both"),
+                                        ("expert_offload", self.expert_offload, False),
+                                        ("guidance_scale_2", self.guidance_scale_2, 0.0)):
+                _check(f"model.{key}", value == default, f"{default!r} (only wan22 has two experts)", value)
         _check("model.text_encoder", self.text_encoder == "model" or self.preset == "random",
                "'model' unless model.preset = 'random'", self.text_encoder)
         _check("model.layers", self.layers == 0 or self.preset in ("random", "full"),
@@ -193,6 +213,9 @@ class RolloutConfig:
     # Samples per VAE decode call when a fragment is decoded (0 = all of them at once). A video VAE
     # keeps every frame's activations: 24 samples of 33 frames at once are ~155 GB (`digenrl plan`).
     decode_batch: int = 0
+    # Wan2.2 A14B: where the SDE window lies relative to the expert boundary (rollout.steps = "window"):
+    # "any" (ignore it), "high" / "low" (only that expert's steps), "span" (at least one step of each).
+    window_expert: str = "any"
 
     def window_bounds(self) -> tuple[int, int] | None:
         """``window_range`` as the ``plan_steps`` argument (None: the default range)."""
@@ -214,6 +237,9 @@ class RolloutConfig:
         _check("rollout.fraction", 0 < self.fraction <= 1, "in (0, 1]", self.fraction)
         _check("rollout.group_size", self.group_size >= 2, ">= 2 (advantages compare within a group)", self.group_size)
         _check("rollout.prompts_per_batch", self.prompts_per_batch >= 1, ">= 1", self.prompts_per_batch)
+        _choice("rollout.window_expert", self.window_expert, ("any", "high", "low", "span"))
+        _check("rollout.window_expert", self.window_expert == "any" or self.steps == "window",
+               "'any' unless rollout.steps = 'window'", self.window_expert)
         _check("rollout.decode_batch", self.decode_batch >= 0, ">= 0 (0: a fragment's samples at once)",
                self.decode_batch)
 
@@ -336,7 +362,7 @@ class DataConfig:
 
     prompt_set: str = "color"
     prompts: list[str] = field(default_factory=list)
-    prompt_file: str = ""  # one prompt per line
+    prompt_file: str = ""  # one prompt per line; a .jsonl: {"prompt": ..., "images": [...]} per line (edit models)
 
     def __post_init__(self) -> None:
         from digenrl.data.prompts import PROMPT_SETS
@@ -653,6 +679,9 @@ class Config:
         if shard == "fsdp" and place.rollout == 0:
             raise ConfigError("placement.rollout = 0 needs trainers that generate (TAG), which train.shard = 'fsdp' "
                               "turns off; add a rollout actor or use train.shard = 'ddp'")
+        if self.model.name == "qwenimage_edit" and not self.data.prompts and not self.data.prompt_file.endswith(".jsonl"):
+            raise ConfigError("data.prompt_file: model qwenimage_edit edits input images; it needs a .jsonl prompt file, "
+                              'one {"prompt": ..., "images": [...]} a line (e.g. examples/edit/prompts.jsonl)')
 
     def _check_launcher(self) -> None:
         place, ray = self.placement, self.cluster.launcher == "ray"

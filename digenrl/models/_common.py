@@ -109,8 +109,11 @@ def check_prompts(prompts: list[str]) -> None:
         raise ValueError(f"prompts must be a non-empty list of str, got {prompts!r:.80}")
 
 
-def load_pipeline_offline(pipeline_cls: type, path: str | Path | None, dtype: torch.dtype, device: str | torch.device) -> Any:
+def load_pipeline_offline(pipeline_cls: type, path: str | Path | None, dtype: torch.dtype, device: str | torch.device,
+                          **absent: Any) -> Any:
     """``pipeline_cls.from_pretrained(path)`` strictly from local files, with errors naming what is missing.
+
+    ``absent``: components passed instead of read (``None`` for one ``model_index.json`` lists as ``[null, null]``).
 
     Raises:
         ConfigError: ``path`` is None, does not exist, has no ``model_index.json``, or a component
@@ -136,7 +139,7 @@ def load_pipeline_offline(pipeline_cls: type, path: str | Path | None, dtype: to
         if name in {"transformer", "vae", "text_encoder", "text_encoder_2"} and not _has_weights(sub):
             raise ConfigError(f"model.path: no weight file (*.safetensors / *.bin) in {str(sub)!r}")
     try:
-        pipe = pipeline_cls.from_pretrained(str(root), torch_dtype=dtype, local_files_only=True)
+        pipe = pipeline_cls.from_pretrained(str(root), torch_dtype=dtype, local_files_only=True, **absent)
     except (OSError, ValueError, EnvironmentError) as exc:
         raise ConfigError(f"model.path: could not load {pipeline_cls.__name__} from {str(root)!r}: {exc}") from exc
     return pipe.to(device)

@@ -45,9 +45,14 @@ from digenrl.models._common import seeded
 from digenrl.models.full import component_specs, construct
 from digenrl.models.registry import TEXT_ENCODERS
 
-__all__ = ["HostDraws", "RandomEmbeds", "build_random_pipeline"]
+__all__ = ["HostDraws", "RandomEmbeds", "build_random_pipeline", "SECOND_EXPERT_SEED"]
 
 log = logging.getLogger(__name__)
+
+# The seed offset of a second expert transformer (Wan2.2 A14B's low-noise one, random and tiny presets): seed is
+# the transformer's, +1 the VAE's, +2 and +3 the text encoders', +4 the toy VAE init (policy.py); so the experts
+# differ, and cutting or dropping components leaves the others' weights alone.
+SECOND_EXPERT_SEED = 5
 
 _CHUNK = 1 << 22  # elements of one host draw (16 MB in fp32), each from its own generator
 _aten = torch.ops.aten
@@ -153,42 +158,48 @@ def _component(cls_name: str, kwargs: dict[str, Any], dtype: torch.dtype, seed: 
     return module.eval()
 
 
-def _family(name: str) -> tuple[Any, Any, dict[str, Any]]:
-    """(pipeline class, scheduler, tokenizers) of a family: the adapters' scheduler configs, byte tokenizers."""
+def _family(name: str, variant: str = "") -> tuple[Any, dict[str, Any]]:
+    """(pipeline class, tokenizers) of a family: its diffusers pipeline, byte tokenizers of its encoders' shapes."""
     import diffusers
 
     from digenrl.models import _text
 
+    if name == "qwenimage_edit":  # processor None: the adapter attaches its own (models/_text.py QwenVLByteProcessor)
+        cls = diffusers.QwenImageEditPlusPipeline if variant == "edit-plus" else diffusers.QwenImageEditPipeline
+        return cls, {"tokenizer": _text.byte_qwen2vl_tokenizer(), "processor": None}
     if name == "qwenimage":
-        from digenrl.models.qwenimage import QWEN_SCHEDULER_CONFIG
-
-        return (diffusers.QwenImagePipeline, diffusers.FlowMatchEulerDiscreteScheduler(**QWEN_SCHEDULER_CONFIG),
-                {"tokenizer": _text.byte_qwen2_tokenizer()})
+        return diffusers.QwenImagePipeline, {"tokenizer": _text.byte_qwen2_tokenizer()}
     if name == "flux":
-        from digenrl.models.flux import FLUX_SCHEDULER_CONFIG
-
-        return (diffusers.FluxPipeline, diffusers.FlowMatchEulerDiscreteScheduler(**FLUX_SCHEDULER_CONFIG),
-                {"tokenizer": _text.byte_clip_tokenizer(), "tokenizer_2": _text.byte_t5_tokenizer()})
-    if name == "wan21":
-        from digenrl.models.wan import WAN_SCHEDULER_CONFIG
-
-        return (diffusers.WanPipeline, diffusers.UniPCMultistepScheduler(**WAN_SCHEDULER_CONFIG),
-                {"tokenizer": _text.byte_t5_tokenizer()})
+        return diffusers.FluxPipeline, {"tokenizer": _text.byte_clip_tokenizer(), "tokenizer_2": _text.byte_t5_tokenizer()}
+    if name in ("wan21", "wan22"):
+        return diffusers.WanPipeline, {"tokenizer": _text.byte_t5_tokenizer()}
+    if name == "sd3":
+        return diffusers.StableDiffusion3Pipeline, {"tokenizer": _text.byte_clip_tokenizer(),
+                                                    "tokenizer_2": _text.byte_clip_tokenizer(),
+                                                    "tokenizer_3": _text.byte_t5_tokenizer()}
     if name == "hunyuanvideo":
-        return (diffusers.HunyuanVideoPipeline, diffusers.FlowMatchEulerDiscreteScheduler(shift=7.0),
-                {"tokenizer": _text.byte_llama_tokenizer(), "tokenizer_2": _text.byte_clip_tokenizer()})
+        return diffusers.HunyuanVideoPipeline, {"tokenizer": _text.byte_llama_tokenizer(),
+                                                "tokenizer_2": _text.byte_clip_tokenizer()}
     raise ValueError(f"no random preset for model {name!r}")
 
 
 def _token_ids(tokenizer: Any) -> dict[str, Any]:
     """The special ids of a byte tokenizer, for its real-size text encoder's config (CLIP pools at its EOS)."""
-    return {"pad_token_id": tokenizer.pad_token_id, "eos_token_id": tokenizer.eos_token_id,
-            "bos_token_id": tokenizer.bos_token_id}
+    ids = {"pad_token_id": tokenizer.pad_token_id, "eos_token_id": tokenizer.eos_token_id,
+           "bos_token_id": tokenizer.bos_token_id}
+    if "<|image_pad|>" in tokenizer.get_vocab():  # the edit models' Qwen2.5-VL reads images at these tokens
+        start, pad, end = tokenizer.convert_tokens_to_ids(["<|vision_start|>", "<|image_pad|>", "<|vision_end|>"])
+        ids.update(vision_start_token_id=start, image_token_id=pad, vision_end_token_id=end)
+    return ids
 
 
-def build_random_pipeline(name: str, *, variant: str = "", layers: int = 0, text_encoder: str = "model",
+def build_random_pipeline(name: str, scheduler: Any, *, pipeline_kwargs: dict[str, Any] | None = None,
+                          variant: str = "", layers: int = 0, text_encoder: str = "model",
                           device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32, seed: int = 0) -> Any:
     """``name``'s published pipeline at real size (``layers``: see ``full.component_specs``), random weights.
+
+    ``scheduler`` (the adapter's stock scheduler) and ``pipeline_kwargs`` (init arguments beyond the
+    components, e.g. Wan2.2's ``boundary_ratio``) come from the adapter, which knows its checkpoint's.
 
     Seeds: ``seed`` the transformer, ``seed + 1`` the VAE, ``seed + 2`` (and ``+ 3``) the text encoders,
     so cutting the depth or dropping the text encoders leaves the other components' weights as they were.
@@ -200,18 +211,21 @@ def build_random_pipeline(name: str, *, variant: str = "", layers: int = 0, text
     if text_encoder not in TEXT_ENCODERS:
         raise ValueError(f"text_encoder must be one of {TEXT_ENCODERS}, got {text_encoder!r}")
     specs = component_specs(name, variant, layers)
-    pipeline_cls, scheduler, tokenizers = _family(name)
+    pipeline_cls, tokenizers = _family(name, variant)
     texts = sorted(k for k in specs if k.startswith("text_encoder"))
     parts: dict[str, Any] = dict.fromkeys(texts)
     with _building(device, dtype) as pool:
         parts["transformer"] = _component(*specs["transformer"], dtype, seed, pool, device)
         parts["vae"] = _component(*specs["vae"], dtype, seed + 1, pool, device)
+        if "transformer_2" in specs:  # Wan2.2 A14B's low-noise expert
+            parts["transformer_2"] = _component(*specs["transformer_2"], dtype, seed + SECOND_EXPERT_SEED, pool,
+                                                device)
         if text_encoder == "model":
             for i, key in enumerate(texts):
                 cls_name, kwargs = specs[key]
                 tok = tokenizers[key.replace("text_encoder", "tokenizer")]
                 parts[key] = _component(cls_name, {**kwargs, **_token_ids(tok)}, dtype, seed + 2 + i, pool, device)
-    pipe = pipeline_cls(scheduler=scheduler, **parts, **tokenizers)
+    pipe = pipeline_cls(scheduler=scheduler, **parts, **tokenizers, **(pipeline_kwargs or {}))
     if text_encoder == "random-embeds":
         RandomEmbeds(name, pipe, seed).install()
     return pipe
@@ -225,25 +239,28 @@ class RandomEmbeds:
     so ``pipe.encode_prompt`` (and the adapters around it) run as with real encoders and return the
     same shapes and keys: Qwen-Image ``[B, n, 3584]`` + mask, FLUX.1 T5 ``[B, L, 4096]`` + pooled CLIP
     ``[B, 768]``, Wan2.1 ``[B, L, 4096]`` zero past the prompt, HunyuanVideo ``[B, L, 4096]`` + mask +
-    pooled ``[B, 768]``. A prompt's features are ``N(0, 1)`` from a generator seeded by a hash of
-    ``(seed, prompt)``: the same prompt always gets the same features, in any batch, process or device;
-    its valid length ``n`` is its token count under the pipeline's byte tokenizer (at most ``L``).
+    pooled ``[B, 768]``, SD3.5 ``[B, 77 + L, 4096]`` (CLIP-L and CLIP-G zero-padded, then T5) + pooled
+    ``[B, 2048]``. A prompt's features are ``N(0, 1)`` from a generator seeded by a hash of ``(seed, prompt)``:
+    the same prompt always gets the same features, in any batch, process or device; its valid length ``n``
+    is its token count under the pipeline's byte tokenizer (at most ``L``).
     """
 
     def __init__(self, name: str, pipe: Any, seed: int) -> None:
         c = pipe.transformer.config
         self.name, self.seed, self.tokenizer = name, seed, pipe.tokenizer
-        self.dim = {"qwenimage": c.get("joint_attention_dim"), "flux": c.get("joint_attention_dim"),
-                    "wan21": c.get("text_dim"), "hunyuanvideo": c.get("text_embed_dim")}[name]
+        key = {"wan21": "text_dim", "wan22": "text_dim", "hunyuanvideo": "text_embed_dim"}.get(name, "joint_attention_dim")
+        self.dim = c.get(key)  # the text features' width the transformer takes
         self.pooled_dim = c.get("pooled_projection_dim")
         self._pipe = pipe
 
     def install(self) -> None:
         """Put the random steps on the pipeline instance (its class and every other pipeline keep theirs)."""
         hooks = {"qwenimage": {"_get_qwen_prompt_embeds": self.qwen},
+                 "qwenimage_edit": {"_get_qwen_prompt_embeds": self.qwen_edit},
                  "flux": {"_get_t5_prompt_embeds": self.t5, "_get_clip_prompt_embeds": self.pooled},
-                 "wan21": {"_get_t5_prompt_embeds": self.t5},
-                 "hunyuanvideo": {"_get_llama_prompt_embeds": self.llama, "_get_clip_prompt_embeds": self.pooled}}
+                 "wan21": {"_get_t5_prompt_embeds": self.t5}, "wan22": {"_get_t5_prompt_embeds": self.t5},
+                 "hunyuanvideo": {"_get_llama_prompt_embeds": self.llama, "_get_clip_prompt_embeds": self.pooled},
+                 "sd3": {"_get_t5_prompt_embeds": self.t5, "_get_clip_prompt_embeds": self.clip}}
         for attr, fn in hooks[self.name].items():
             object.__setattr__(self._pipe, attr, fn)
 
@@ -284,11 +301,28 @@ class RandomEmbeds:
         emb, mask = self._sequence(prompts, width, zero_pad=True)  # padded to the batch's longest, as the pipeline
         return emb.to(device=device, dtype=self._dtype(dtype)), mask.to(device=device)
 
+    def qwen_edit(self, prompt: str | list[str], image: Any = None, device: Any = None,
+                  dtype: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The edit pipelines' step: as :meth:`qwen`, each prompt's length also counting the image tokens Qwen2.5-VL
+        would read (the pipeline's processor's grid; the features do not depend on the images, their count does)."""
+        extra = 0
+        if image is not None:
+            proc = self._pipe.processor.image_processor
+            grid = proc(images=image if isinstance(image, list) else [image], return_tensors="pt")["image_grid_thw"]
+            extra = int(grid.prod(-1).sum()) // proc.merge_size ** 2
+        prompts = self._list(prompt)
+        rows = [self.length(p, self._pipe.tokenizer_max_length) + extra for p in prompts]
+        emb = torch.zeros(len(prompts), max(rows), self.dim, dtype=torch.float32, device="cpu")
+        mask = torch.zeros(len(prompts), max(rows), dtype=torch.long, device="cpu")
+        for i, (p, n) in enumerate(zip(prompts, rows, strict=True)):
+            emb[i, :n], mask[i, :n] = self.features(p, "sequence", n, self.dim), 1
+        return emb.to(device=device, dtype=self._dtype(dtype)), mask.to(device=device)
+
     def t5(self, prompt: str | list[str], num_images_per_prompt: int = 1, max_sequence_length: int = 512,
            device: Any = None, dtype: Any = None, num_videos_per_prompt: int | None = None) -> torch.Tensor:
         repeat = num_videos_per_prompt or num_images_per_prompt
         # FLUX.1 keeps T5's outputs at its padding; Wan2.1 zeroes them
-        emb, _ = self._sequence(self._list(prompt), max_sequence_length, zero_pad=self.name == "wan21")
+        emb, _ = self._sequence(self._list(prompt), max_sequence_length, zero_pad=self.name in ("wan21", "wan22"))
         return emb.repeat_interleave(repeat, 0).to(device=device, dtype=self._dtype(dtype))
 
     def llama(self, prompt: str | list[str], prompt_template: Any = None, num_videos_per_prompt: int = 1,
@@ -297,6 +331,21 @@ class RandomEmbeds:
         emb, mask = self._sequence(self._list(prompt), max_sequence_length, zero_pad=False)
         emb, mask = emb.repeat_interleave(num_videos_per_prompt, 0), mask.repeat_interleave(num_videos_per_prompt, 0)
         return emb.to(device=device, dtype=self._dtype(dtype)), mask.to(device=device)
+
+    def clip(self, prompt: str | list[str], num_images_per_prompt: int = 1, device: Any = None,
+             clip_skip: int | None = None, clip_model_index: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """SD3's per-CLIP step: ``[B, 77, width]`` hidden states and ``[B, projection]`` pooled features of encoder
+        ``clip_model_index`` (0: CLIP-L, 1: CLIP-G), as wide as the pipeline's encoders, else the published ones."""
+        encoder = (self._pipe.text_encoder, self._pipe.text_encoder_2)[clip_model_index]
+        width, proj = ((encoder.config.hidden_size, encoder.config.projection_dim) if encoder is not None else
+                       ((768, 768), (1280, 1280))[clip_model_index])
+        prompts = self._list(prompt)
+        seq = torch.stack([self.features(p, f"clip{clip_model_index}", self._pipe.tokenizer_max_length, width)
+                           for p in prompts])
+        pooled = torch.stack([self.features(p, f"clip{clip_model_index}-pooled", 1, proj)[0] for p in prompts])
+        dt = self._dtype(None)
+        return (seq.repeat_interleave(num_images_per_prompt, 0).to(device=device, dtype=dt),
+                pooled.repeat_interleave(num_images_per_prompt, 0).to(device=device, dtype=dt))
 
     def pooled(self, prompt: str | list[str], num_images_per_prompt: int = 1, device: Any = None, dtype: Any = None,
                max_sequence_length: int = 77, num_videos_per_prompt: int | None = None) -> torch.Tensor:

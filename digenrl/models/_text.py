@@ -4,10 +4,13 @@ The hub tokenizers of the real models cannot be fetched here, so the tiny preset
 the *same transformers classes* built from a byte alphabet (every UTF-8 string tokenizes, no merges),
 paired with randomly initialised text encoders of the real architectures:
 
-* Qwen-Image: ``Qwen2Tokenizer`` + ``Qwen2_5_VLForConditionalGeneration`` (text path used).
+* Qwen-Image: ``Qwen2Tokenizer`` + ``Qwen2_5_VLForConditionalGeneration`` (text path used); the edit models
+  also its vision path, fed by :class:`QwenVLByteProcessor`.
 * FLUX.1: ``CLIPTokenizer`` + ``CLIPTextModel`` (pooled) and ``T5Tokenizer`` + ``T5EncoderModel``.
 * Wan2.1: ``T5Tokenizer`` + ``UMT5EncoderModel``.
 * HunyuanVideo: ``LlamaTokenizer`` + ``LlamaModel`` and ``CLIPTokenizer`` + ``CLIPTextModel``.
+* SD3.5: two ``CLIPTokenizer`` + ``CLIPTextModelWithProjection`` (CLIP-L, CLIP-G) and ``T5Tokenizer`` +
+  ``T5EncoderModel``.
 
 All of them save with ``save_pretrained`` and load back through the pipelines' ``from_pretrained``.
 """
@@ -19,6 +22,8 @@ from typing import Any
 __all__ = [
     "byte_qwen2_tokenizer",
     "tiny_qwen25vl_text_encoder",
+    "byte_qwen2vl_tokenizer",
+    "QwenVLByteProcessor",
     "byte_clip_tokenizer",
     "tiny_clip_text_model",
     "byte_t5_tokenizer",
@@ -47,11 +52,17 @@ def byte_qwen2_tokenizer() -> Any:
     return tok
 
 
-def tiny_qwen25vl_text_encoder(hidden_size: int, vocab_size: int = 259, layers: int = 2) -> Any:
+def tiny_qwen25vl_text_encoder(hidden_size: int, vocab_size: int = 259, layers: int = 2, *,
+                               vision: bool = False) -> Any:
     """A random ``Qwen2_5_VLForConditionalGeneration`` whose text path outputs ``hidden_size`` features.
 
-    The vision tower is minimal and never used; its special token ids lie outside the vocabulary.
+    The vision tower is minimal (one block of width 16, the real patch 14 / merge 2 geometry). Without
+    ``vision`` it is never used: its special token ids lie outside the vocabulary. With ``vision`` (the edit
+    models) the vocabulary is :func:`byte_qwen2vl_tokenizer`'s and the vision ids are its tokens, so the
+    encoder sees the images a :class:`QwenVLByteProcessor` puts in the prompt.
     """
+    if vision:
+        vocab_size = 262
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
     heads = 2
@@ -70,14 +81,14 @@ def tiny_qwen25vl_text_encoder(hidden_size: int, vocab_size: int = 259, layers: 
             max_position_embeddings=2048,
             rope_parameters={"rope_type": "default", "mrope_section": sec, "rope_theta": 1e6},
             bos_token_id=None,
-            eos_token_id=vocab_size - 1,
-            pad_token_id=vocab_size - 3,
+            eos_token_id=258 if vision else vocab_size - 1,
+            pad_token_id=256 if vision else vocab_size - 3,
         ),
         vision_config=dict(depth=1, hidden_size=16, intermediate_size=16, num_heads=2, out_hidden_size=hidden_size),
-        image_token_id=vocab_size + 10,
+        image_token_id=260 if vision else vocab_size + 10,
         video_token_id=vocab_size + 11,
-        vision_start_token_id=vocab_size + 12,
-        vision_end_token_id=vocab_size + 13,
+        vision_start_token_id=259 if vision else vocab_size + 12,
+        vision_end_token_id=261 if vision else vocab_size + 13,
     )
     return Qwen2_5_VLForConditionalGeneration(cfg).eval()
 
@@ -95,15 +106,17 @@ def byte_clip_tokenizer() -> Any:
     return CLIPTokenizer(vocab=vocab, merges=[], model_max_length=77)
 
 
-def tiny_clip_text_model(hidden_size: int, vocab_size: int, max_len: int = 77) -> Any:
-    """A random ``CLIPTextModel`` (pooled output of size ``hidden_size``)."""
-    from transformers import CLIPTextConfig, CLIPTextModel
+def tiny_clip_text_model(hidden_size: int, vocab_size: int, max_len: int = 77, *, projection: bool = False,
+                         layers: int = 1) -> Any:
+    """A random ``CLIPTextModel`` (pooled output of size ``hidden_size``), or with ``projection`` a
+    ``CLIPTextModelWithProjection`` (SD3's CLIP-L and CLIP-G: projected pooled output of size ``hidden_size``)."""
+    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
 
     cfg = CLIPTextConfig(
         vocab_size=vocab_size,
         hidden_size=hidden_size,
         intermediate_size=2 * hidden_size,
-        num_hidden_layers=1,
+        num_hidden_layers=layers,
         num_attention_heads=2,
         max_position_embeddings=max_len,
         projection_dim=hidden_size,
@@ -111,7 +124,7 @@ def tiny_clip_text_model(hidden_size: int, vocab_size: int, max_len: int = 77) -
         eos_token_id=vocab_size - 1,
         pad_token_id=vocab_size - 1,
     )
-    return CLIPTextModel(cfg).eval()
+    return (CLIPTextModelWithProjection if projection else CLIPTextModel)(cfg).eval()
 
 
 def byte_t5_tokenizer() -> Any:
@@ -169,3 +182,51 @@ def tiny_llama_model(hidden_size: int, vocab_size: int) -> Any:
         bos_token_id=1, eos_token_id=2, pad_token_id=2,
     )
     return LlamaModel(cfg).eval()
+
+
+_VISION_TOKENS = ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>")
+
+
+def byte_qwen2vl_tokenizer() -> Any:
+    """:func:`byte_qwen2_tokenizer` plus the vision tokens of Qwen2.5-VL (``<|vision_start|>``, ``<|image_pad|>``,
+    ``<|vision_end|>``: ids 259-261), so an edit prompt's image placeholders tokenize as in the real vocabulary."""
+    from transformers import Qwen2Tokenizer
+
+    specials = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", *_VISION_TOKENS)
+    vocab = {c: i for i, c in enumerate(_byte_alphabet())}
+    for s in specials:
+        vocab[s] = len(vocab)
+    tok = Qwen2Tokenizer(vocab=vocab, merges=[])
+    tok.add_special_tokens({"additional_special_tokens": list(specials[1:])})
+    return tok
+
+
+class QwenVLByteProcessor:
+    """What ``Qwen2VLProcessor.__call__`` does for images, without its video processor (which needs torchvision).
+
+    The edit pipelines call ``processor(text=..., images=..., padding=True, return_tensors="pt")``: the image
+    processor (``Qwen2VLImageProcessorPil``: smart resize to multiples of ``patch_size · merge_size`` within
+    ``[min_pixels, max_pixels]``, flattened patches) gives ``pixel_values`` and ``image_grid_thw``, and each
+    ``<|image_pad|>`` of the text, in order, becomes ``t·h·w / merge_size²`` of them, as in transformers'
+    ``Qwen2VLProcessor.replace_image_token``. Not a registered pipeline component: the adapter attaches it.
+    """
+
+    def __init__(self, tokenizer: Any, *, min_pixels: int = 56 * 56, max_pixels: int = 28 * 28 * 1280) -> None:
+        from transformers import Qwen2VLImageProcessorPil
+
+        self.tokenizer = tokenizer
+        self.image_processor = Qwen2VLImageProcessorPil(min_pixels=min_pixels, max_pixels=max_pixels)
+
+    def __call__(self, text: list[str], images: Any = None, padding: bool = True, return_tensors: str = "pt") -> Any:
+        from transformers import BatchFeature
+
+        pad = _VISION_TOKENS[1]
+        text, feats = list(text), {}
+        if images is not None:
+            images = images if isinstance(images, list) else [images]
+            feats = dict(self.image_processor(images=images, return_tensors=return_tensors))
+            counts = iter(int(g.prod()) // self.image_processor.merge_size ** 2 for g in feats["image_grid_thw"])
+            text = [t.replace(pad, "\0").replace("\0", "{}").format(*[pad * next(counts) for _ in range(t.count(pad))])
+                    if pad in t else t for t in text]
+        enc = self.tokenizer(text, padding=padding, return_tensors=return_tensors)
+        return BatchFeature({**enc, **feats})

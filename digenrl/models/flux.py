@@ -179,12 +179,13 @@ class FluxModel(DiffusersGenerator):
         """Build the ``tiny``/``small`` preset, load ``pretrained`` weights from ``path`` (offline), or build
         the published architecture with ``random`` weights (``variant``, ``layers``, ``text_encoder``: see
         ``models/_random.py``). ``pretrained`` and ``random`` share their defaults and all after loading."""
-        from diffusers import FluxPipeline
+        from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline
 
         g = 3.5 if guidance_scale is None else guidance_scale
         if preset in ("pretrained", "random"):
             pipe = (load_pipeline_offline(FluxPipeline, path, dtype, device) if preset == "pretrained" else
-                    build_random_pipeline(cls.name, variant=variant, layers=layers, text_encoder=text_encoder,
+                    build_random_pipeline(cls.name, FlowMatchEulerDiscreteScheduler(**FLUX_SCHEDULER_CONFIG),
+                                          variant=variant, layers=layers, text_encoder=text_encoder,
                                           device=device, dtype=dtype, seed=seed))
             h, w = resolution or (512, 512)
             return cls(pipe, height=h, width=w, guidance_scale=g, text_len=text_len or 512)

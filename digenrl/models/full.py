@@ -2,11 +2,14 @@
 
 The configs below are the diffusers/transformers ``config.json`` files of the released checkpoints,
 kept in the project so that nothing is fetched: Qwen/Qwen-Image, black-forest-labs/FLUX.1-dev,
-Wan-AI/Wan2.1-T2V-1.3B-Diffusers and -14B-Diffusers, hunyuanvideo-community/HunyuanVideo. Every module
-is constructed under ``torch.device("meta")``: parameters carry shapes and dtypes but no storage, so a
-20 B model "builds" in a second and the memory plan (``digenrl.plan``) counts and traces it exactly.
+Wan-AI/Wan2.1-T2V-1.3B-Diffusers and -14B-Diffusers, Wan-AI/Wan2.2-TI2V-5B-Diffusers and
+Wan2.2-T2V-A14B-Diffusers, hunyuanvideo-community/HunyuanVideo, stabilityai/stable-diffusion-3.5-medium and
+-large. Every module is constructed under ``torch.device("meta")``: parameters carry shapes and dtypes but
+no storage, so a 20 B model "builds" in a second and the memory plan (``digenrl.plan``) counts and traces it
+exactly.
 
-A family with several sizes picks one with ``model.variant`` (Wan2.1: ``"1.3B"`` or ``"14B"``), and
+A family with several sizes picks one with ``model.variant`` (Wan2.1: ``"1.3B"`` or ``"14B"``; SD3.5:
+``"medium"`` or ``"large"``), and
 ``model.layers`` cuts every block stack of the transformer to at most that many blocks at the real width
 (:data:`BLOCK_KEYS`). Preset ``random`` (``models/_random.py``) builds the same components with weights.
 """
@@ -42,10 +45,39 @@ _WAN_TRANSFORMER = dict(patch_size=(1, 2, 2), in_channels=16, out_channels=16, t
                         attention_head_dim=128, cross_attn_norm=True, qk_norm="rms_norm_across_heads", eps=1e-6,
                         rope_max_seq_len=1024)
 _WAN_VAE = dict(base_dim=96, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=2, temperal_downsample=[False, True, True])
+# Wan2.2's VAE (TI2V-5B): 48 latent channels, 16x spatial (2x2 patchify inside), residual blocks;
+# latents_mean/std: Wan-Video/Wan2.2 wan/modules/vae2_2.py (as diffusers' convert_wan_to_diffusers.py).
+WAN22_LATENTS_MEAN = (
+    -0.2289, -0.0052, -0.1323, -0.2339, -0.2799, 0.0174, 0.1838, 0.1557, -0.1382, 0.0542, 0.2813, 0.0891,
+    0.1570, -0.0098, 0.0375, -0.1825, -0.2246, -0.1207, -0.0698, 0.5109, 0.2665, -0.2108, -0.2158, 0.2502,
+    -0.2055, -0.0322, 0.1109, 0.1567, -0.0729, 0.0899, -0.2799, -0.1230, -0.0313, -0.1649, 0.0117, 0.0723,
+    -0.2839, -0.2083, -0.0520, 0.3748, 0.0152, 0.1957, 0.1433, -0.2944, 0.3573, -0.0548, -0.1681, -0.0667)
+WAN22_LATENTS_STD = (
+    0.4765, 1.0364, 0.4514, 1.1677, 0.5313, 0.4990, 0.4818, 0.5013, 0.8158, 1.0344, 0.5894, 1.0901,
+    0.6885, 0.6165, 0.8454, 0.4978, 0.5759, 0.3523, 0.7135, 0.6804, 0.5833, 1.4146, 0.8986, 0.5659,
+    0.7069, 0.5338, 0.4889, 0.4917, 0.4069, 0.4999, 0.6866, 0.4093, 0.5709, 0.6065, 0.6415, 0.4944,
+    0.5726, 1.2042, 0.5458, 1.6887, 0.3971, 1.0600, 0.3943, 0.5537, 0.5444, 0.4089, 0.7468, 0.7744)
+_WAN22_VAE = dict(base_dim=160, decoder_base_dim=256, z_dim=48, dim_mult=[1, 2, 4, 4], num_res_blocks=2,
+                  temperal_downsample=[False, True, True], is_residual=True, in_channels=12, out_channels=12,
+                  patch_size=2, scale_factor_spatial=16, scale_factor_temporal=4,
+                  latents_mean=list(WAN22_LATENTS_MEAN), latents_std=list(WAN22_LATENTS_STD))
+_WAN_14B = dict(_WAN_TRANSFORMER, num_attention_heads=40, ffn_dim=13824, num_layers=40)
 _FLUX_VAE = dict(in_channels=3, out_channels=3, latent_channels=16, block_out_channels=(128, 256, 512, 512),
                  down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
                  layers_per_block=2, norm_num_groups=32, use_quant_conv=False, use_post_quant_conv=False,
                  shift_factor=0.1159, scaling_factor=0.3611)
+# stabilityai/stable-diffusion-3.5-medium and -large: vae/config.json is FLUX.1's architecture, other scaling;
+# text_encoder_2/config.json is OpenCLIP ViT-bigG/14's text tower (CLIPTextModelWithProjection, as CLIP-L)
+_SD3_VAE = dict(_FLUX_VAE, shift_factor=0.0609, scaling_factor=1.5305)
+_CLIP_G = dict(hidden_size=1280, intermediate_size=5120, num_hidden_layers=32, num_attention_heads=20,
+               vocab_size=49408, max_position_embeddings=77, projection_dim=1280, hidden_act="gelu")
+# transformer/config.json of both: -medium is MMDiT-X (dual attention in blocks 0-12, 2D positions up to 384),
+# -large the plain MMDiT; both with QK RMS norm
+_SD3_TRANSFORMER = dict(sample_size=128, patch_size=2, in_channels=16, out_channels=16, attention_head_dim=64,
+                        joint_attention_dim=4096, pooled_projection_dim=2048, qk_norm="rms_norm")
+_SD3_TEXT = {"text_encoder": ("CLIPTextModelWithProjection", _CLIP_L),
+             "text_encoder_2": ("CLIPTextModelWithProjection", _CLIP_G),
+             "text_encoder_3": ("T5EncoderModel", _T5_XXL)}
 
 # name -> variant -> component -> (library class name, config kwargs)
 FULL_CONFIGS: dict[str, dict[str, dict[str, tuple[str, dict[str, Any]]]]] = {
@@ -79,6 +111,22 @@ FULL_CONFIGS: dict[str, dict[str, dict[str, tuple[str, dict[str, Any]]]]] = {
             "text_encoder": ("UMT5EncoderModel", _UMT5_XXL),
         },
     },
+    # Wan-AI/Wan2.2-TI2V-5B-Diffusers and Wan2.2-T2V-A14B-Diffusers: A14B is two transformers of Wan2.1-14B's
+    # architecture (``transformer`` the high-noise expert, ``transformer_2`` the low-noise one) over Wan2.1's VAE.
+    "wan22": {
+        "TI2V-5B": {
+            "transformer": ("WanTransformer3DModel", dict(_WAN_TRANSFORMER, in_channels=48, out_channels=48,
+                                                           num_attention_heads=24, ffn_dim=14336, num_layers=30)),
+            "vae": ("AutoencoderKLWan", _WAN22_VAE),
+            "text_encoder": ("UMT5EncoderModel", _UMT5_XXL),
+        },
+        "A14B": {
+            "transformer": ("WanTransformer3DModel", _WAN_14B),
+            "transformer_2": ("WanTransformer3DModel", _WAN_14B),
+            "vae": ("AutoencoderKLWan", _WAN_VAE),
+            "text_encoder": ("UMT5EncoderModel", _UMT5_XXL),
+        },
+    },
     "hunyuanvideo": {"13B": {
         "transformer": ("HunyuanVideoTransformer3DModel", dict(
             in_channels=16, out_channels=16, num_attention_heads=24, attention_head_dim=128, num_layers=20,
@@ -91,20 +139,41 @@ FULL_CONFIGS: dict[str, dict[str, dict[str, tuple[str, dict[str, Any]]]]] = {
         "text_encoder": ("LlamaModel", _LLAVA_LLAMA3_8B),
         "text_encoder_2": ("CLIPTextModel", _CLIP_L),
     }},
+    "sd3": {
+        "medium": {
+            "transformer": ("SD3Transformer2DModel", dict(
+                _SD3_TRANSFORMER, num_layers=24, num_attention_heads=24, caption_projection_dim=1536,
+                pos_embed_max_size=384, dual_attention_layers=tuple(range(13)))),
+            "vae": ("AutoencoderKL", _SD3_VAE), **_SD3_TEXT,
+        },
+        "large": {
+            "transformer": ("SD3Transformer2DModel", dict(
+                _SD3_TRANSFORMER, num_layers=38, num_attention_heads=38, caption_projection_dim=2432,
+                pos_embed_max_size=192)),
+            "vae": ("AutoencoderKL", _SD3_VAE), **_SD3_TEXT,
+        },
+    },
 }
+# Qwen/Qwen-Image-Edit ("edit") and Qwen/Qwen-Image-Edit-2509 ("edit-plus"): Qwen-Image's transformer, VAE and
+# Qwen2.5-VL-7B (their config.json files); the variants differ in the pipeline only (models/qwenimage_edit.py)
+FULL_CONFIGS["qwenimage_edit"] = {v: dict(FULL_CONFIGS["qwenimage"]["20B"]) for v in ("edit-plus", "edit")}
 VARIANTS: dict[str, tuple[str, ...]] = {name: tuple(v) for name, v in FULL_CONFIGS.items()}
 # The block stacks of each transformer (config keys) that ``model.layers`` cuts; HunyuanVideo's two-block
 # token refiner is part of its text embedder and stays.
 BLOCK_KEYS: dict[str, tuple[str, ...]] = {
+    "sd3": ("num_layers",),
     "qwenimage": ("num_layers",),
+    "qwenimage_edit": ("num_layers",),
     "flux": ("num_layers", "num_single_layers"),
     "wan21": ("num_layers",),
+    "wan22": ("num_layers",),
     "hunyuanvideo": ("num_layers", "num_single_layers"),
 }
 
 # transformers config class of each text encoder class
 _TEXT_CONFIGS = {"Qwen2_5_VLForConditionalGeneration": "Qwen2_5_VLConfig", "T5EncoderModel": "T5Config",
-                 "UMT5EncoderModel": "UMT5Config", "CLIPTextModel": "CLIPTextConfig", "LlamaModel": "LlamaConfig"}
+                 "UMT5EncoderModel": "UMT5Config", "CLIPTextModel": "CLIPTextConfig", "LlamaModel": "LlamaConfig",
+                 "CLIPTextModelWithProjection": "CLIPTextConfig"}
 
 
 def default_variant(name: str) -> str:
@@ -117,6 +186,7 @@ class FullModel:
     """The components of one published pipeline on the meta device.
 
     ``transformer`` is what trains; ``text_encoders`` run once per prompt; ``vae`` decodes samples.
+    ``transformer_2``: a second expert of the same size (Wan2.2 A14B's low-noise expert), else ``None``.
     """
 
     name: str
@@ -124,6 +194,7 @@ class FullModel:
     transformer: torch.nn.Module
     vae: torch.nn.Module
     text_encoders: dict[str, torch.nn.Module]
+    transformer_2: torch.nn.Module | None = None
 
 
 def _resolve(name: str, variant: str) -> str:
@@ -156,8 +227,10 @@ def component_specs(name: str, variant: str = "", layers: int = 0) -> dict[str, 
     """
     spec = dict(FULL_CONFIGS[name][_resolve(name, variant)])
     if layers:
-        cls_name, kwargs = spec["transformer"]
-        spec["transformer"] = (cls_name, {**kwargs, **{k: min(layers, kwargs[k]) for k in BLOCK_KEYS[name]}})
+        for key in ("transformer", "transformer_2"):  # both experts of a two-expert model
+            if key in spec:
+                cls_name, kwargs = spec[key]
+                spec[key] = (cls_name, {**kwargs, **{k: min(layers, kwargs[k]) for k in BLOCK_KEYS[name]}})
     return spec
 
 
@@ -210,4 +283,4 @@ def build_full(name: str, variant: str = "", dtype: torch.dtype = torch.bfloat16
         parts = {key: _build(cls, kwargs, dtype) for key, (cls, kwargs) in spec.items()
                  if text_encoders or not key.startswith("text_encoder")}
     texts = {k: v for k, v in parts.items() if k.startswith("text_encoder")}
-    return FullModel(name, variant, parts["transformer"], parts["vae"], texts)
+    return FullModel(name, variant, parts["transformer"], parts["vae"], texts, parts.get("transformer_2"))

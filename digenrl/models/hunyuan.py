@@ -190,12 +190,13 @@ class HunyuanVideoModel(DiffusersGenerator):
         """Build the ``tiny``/``small`` preset, load ``pretrained`` weights from ``path`` (offline), or build
         the published architecture with ``random`` weights (``variant``, ``layers``, ``text_encoder``: see
         ``models/_random.py``). ``pretrained`` and ``random`` share their defaults and all after loading."""
-        from diffusers import HunyuanVideoPipeline
+        from diffusers import FlowMatchEulerDiscreteScheduler, HunyuanVideoPipeline
 
         g = 6.0 if guidance_scale is None else guidance_scale
         if preset in ("pretrained", "random"):
             pipe = (load_pipeline_offline(HunyuanVideoPipeline, path, dtype, device) if preset == "pretrained" else
-                    build_random_pipeline(cls.name, variant=variant, layers=layers, text_encoder=text_encoder,
+                    build_random_pipeline(cls.name, FlowMatchEulerDiscreteScheduler(shift=7.0),
+                                          variant=variant, layers=layers, text_encoder=text_encoder,
                                           device=device, dtype=dtype, seed=seed))
             h, w = resolution or (480, 480)
             return cls(pipe, height=h, width=w, num_frames=num_frames, guidance_scale=g, text_len=text_len or 256)

@@ -51,9 +51,14 @@ _JOINT_ATTN = _ATTN + ("add_q_proj", "add_k_proj", "add_v_proj", "to_add_out")
 # Wan2.1 "attention" (self- and cross-attention), HunyuanVideo as FLUX (same MMDiT block layout).
 DEFAULT_LORA_TARGETS: dict[str, tuple[str, ...]] = {
     "qwenimage": _JOINT_ATTN + ("img_mlp.net.0.proj", "img_mlp.net.2", "txt_mlp.net.0.proj", "txt_mlp.net.2"),
+    "qwenimage_edit": _JOINT_ATTN + ("img_mlp.net.0.proj", "img_mlp.net.2", "txt_mlp.net.0.proj", "txt_mlp.net.2"),
     "flux": _JOINT_ATTN + ("ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2"),
     "wan21": _ATTN,
+    "wan22": _ATTN,  # as Wan2.1, on each trained expert
     "hunyuanvideo": _JOINT_ATTN + ("ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2"),
+    # flow_grpo scripts/train_sd3.py: the joint attention of both streams, named "attn.*" so that SD3.5-M's
+    # second (image-only) attention "attn2" stays frozen
+    "sd3": tuple(f"attn.{t}" for t in _JOINT_ATTN),
 }
 
 _MODE_ATTR = "_digenrl_trainable_mode"

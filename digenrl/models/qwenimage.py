@@ -239,11 +239,12 @@ class QwenImageModel(DiffusersGenerator):
         """Build the ``tiny``/``small`` preset, load ``pretrained`` weights from ``path`` (offline), or build
         the published architecture with ``random`` weights (``variant``, ``layers``, ``text_encoder``: see
         ``models/_random.py``). ``pretrained`` and ``random`` share their defaults and all after loading."""
-        from diffusers import QwenImagePipeline
+        from diffusers import FlowMatchEulerDiscreteScheduler, QwenImagePipeline
 
         if preset in ("pretrained", "random"):
             pipe = (load_pipeline_offline(QwenImagePipeline, path, dtype, device) if preset == "pretrained" else
-                    build_random_pipeline(cls.name, variant=variant, layers=layers, text_encoder=text_encoder,
+                    build_random_pipeline(cls.name, FlowMatchEulerDiscreteScheduler(**QWEN_SCHEDULER_CONFIG),
+                                          variant=variant, layers=layers, text_encoder=text_encoder,
                                           device=device, dtype=dtype, seed=seed))
             h, w = resolution or (512, 512)
             return cls(pipe, height=h, width=w, guidance_scale=4.0 if guidance_scale is None else guidance_scale,

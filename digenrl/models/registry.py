@@ -1,7 +1,7 @@
 """``load_model``: one entry point from a (name, preset) pair to a :class:`GeneratorModel`.
 
-Names: ``qwenimage`` (default), ``flux``, ``wan21``, ``hunyuanvideo``. Presets: ``tiny`` and ``small``
-(random init of the real architecture, deterministic in ``seed``), ``pretrained`` (a local
+Names: ``qwenimage`` (default), ``qwenimage_edit``, ``flux``, ``wan21``, ``wan22``, ``hunyuanvideo``, ``sd3``.
+Presets: ``tiny`` and ``small`` (random init of the real architecture, deterministic in ``seed``), ``pretrained`` (a local
 diffusers directory, read strictly offline) and ``random`` (the published architecture at real size with
 random weights, built on the device: ``models/_random.py``).
 """
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -24,8 +25,12 @@ _MODELS: dict[str, tuple[str, str]] = {
     "flux": ("digenrl.models.flux", "FluxModel"),
     "wan21": ("digenrl.models.wan", "WanModel"),
     "hunyuanvideo": ("digenrl.models.hunyuan", "HunyuanVideoModel"),
+    "wan22": ("digenrl.models.wan22", "Wan22Model"),
+    "sd3": ("digenrl.models.sd3", "SD3Model"),
+    "qwenimage_edit": ("digenrl.models.qwenimage_edit", "QwenImageEditModel"),
 }
 MODEL_NAMES: tuple[str, ...] = tuple(_MODELS)
+_IMAGE_MODELS = ("qwenimage", "qwenimage_edit", "flux", "sd3")  # one frame; the others generate videos
 # "full": the published architecture at real size on the meta device, no weights (models/full.py);
 # the memory plan builds it, nothing can sample with it. "random": the same at real size with random weights.
 PRESETS: tuple[str, ...] = ("tiny", "tiny4x", "small", "pretrained", "full", "random")
@@ -49,6 +54,8 @@ def load_model(
     variant: str = "",
     layers: int = 0,
     text_encoder: str = "model",
+    experts: dict[str, Any] | None = None,
+    image_area: int | None = None,
 ) -> GeneratorModel:
     """Build or load a generator.
 
@@ -65,9 +72,12 @@ def load_model(
         guidance_scale: CFG scale (Qwen-Image 4.0, Wan 4.5 by default) or guidance-embedding value
             (FLUX 3.5, HunyuanVideo 6.0 by default).
         text_len: fixed prompt-token length of the conditioning.
-        variant: the size of a family with several (``"random"``; Wan2.1 ``"1.3B"`` or ``"14B"``; "" = the largest).
+        variant: the size of a family with several (``"random"``; Wan2.1 ``"1.3B"`` or ``"14B"``;
+            SD3.5 ``"medium"`` or ``"large"``; "" = the largest).
         layers: ``"random"`` only: every block stack of the transformer cut to this many blocks (0 = published).
         text_encoder: ``"random"`` only: ``"model"`` or ``"random-embeds"`` (see :data:`TEXT_ENCODERS`).
+        image_area: qwenimage_edit only: pixels of each conditioning image (default the output's; ``models/qwenimage_edit.py``).
+        experts: Wan2.2 only: ``guidance_scale_2``, ``train_experts``, ``expert_offload`` (``models/wan22.py``).
 
     Raises:
         ConfigError: unknown name, preset or variant (the message lists the allowed values), a missing or
@@ -92,9 +102,17 @@ def load_model(
     kwargs = dict(path=path, device=device, dtype=dtype, seed=seed, resolution=resolution,
                   guidance_scale=guidance_scale, text_len=text_len, variant=variant, layers=layers,
                   text_encoder=text_encoder)
+    if experts:
+        if name != "wan22":
+            raise ConfigError(f"model.{next(iter(experts))}: only wan22 has experts, not {name!r}")
+        kwargs.update(experts)
+    if image_area is not None:
+        if name != "qwenimage_edit":
+            raise ConfigError(f"image_area: only qwenimage_edit has conditioning images, not {name!r}")
+        kwargs["image_area"] = image_area
     if num_frames is not None:
-        if name in ("qwenimage", "flux") and num_frames != 1:
+        if name in _IMAGE_MODELS and num_frames != 1:
             raise ConfigError(f"model.num_frames: {name} is an image model; num_frames must be 1, got {num_frames}")
-        if name not in ("qwenimage", "flux"):
+        if name not in _IMAGE_MODELS:
             kwargs["num_frames"] = num_frames
     return cls.create(preset, **kwargs)

@@ -192,12 +192,13 @@ class WanModel(DiffusersGenerator):
         """Build the ``tiny``/``small`` preset, load ``pretrained`` weights from ``path`` (offline), or build
         the published architecture with ``random`` weights (``variant``, ``layers``, ``text_encoder``: see
         ``models/_random.py``). ``pretrained`` and ``random`` share their defaults and all after loading."""
-        from diffusers import WanPipeline
+        from diffusers import UniPCMultistepScheduler, WanPipeline
 
         g = 4.5 if guidance_scale is None else guidance_scale
         if preset in ("pretrained", "random"):
             pipe = (load_pipeline_offline(WanPipeline, path, dtype, device) if preset == "pretrained" else
-                    build_random_pipeline(cls.name, variant=variant, layers=layers, text_encoder=text_encoder,
+                    build_random_pipeline(cls.name, UniPCMultistepScheduler(**WAN_SCHEDULER_CONFIG),
+                                          variant=variant, layers=layers, text_encoder=text_encoder,
                                           device=device, dtype=dtype, seed=seed))
             h, w = resolution or (480, 832)
             return cls(pipe, height=h, width=w, num_frames=num_frames, guidance_scale=g, text_len=text_len or 512)

@@ -136,7 +136,8 @@ def config_profile(cfg: Config, traces: Traces | None = None) -> ModelProfile:
     model_profile(cfg.model)
     plan = memory_plan(cfg, traces)
     trainer = plan.roles.get("trainer") or next(iter(plan.roles.values()))
-    return model_profile(cfg.model, trainer.trainable_params, plan.transformer_params, cfg.reward)
+    # (two experts, Wan2.2 A14B: a rollout engine holds both; plan.transformer_params is one expert's)
+    return model_profile(cfg.model, trainer.trainable_params, plan.transformer_params + plan.expert_params, cfg.reward)
 
 
 def _measured_note(cfg: Config, measured: MeasuredCost) -> str:

@@ -14,6 +14,11 @@ counts, per role:
   tensor an operator creates, attention as a fused kernel keeps it, depth extrapolated from two- and
   three-block copies); rollout devices: the peak of one no-grad forward of a rollout token's samples,
   or of decoding one fragment, whichever is larger;
+* Wan2.2 A14B's two experts (``transformer`` and ``transformer_2``, 14 B each): every role that runs the
+  policy holds both, unless ``model.expert_offload``: then the idle expert's frozen weights wait in host
+  memory (``host (offloaded)``) and one expert is on the device at a time; trained weights (LoRA, a fully
+  fine-tuned expert) never move. LoRA, gradients and Adam states count every trained expert
+  (``model.train_experts``); activations are one expert's (a pass never mixes experts);
 * the VAE where decoding happens (rollout devices; trainers too when they generate, TAG) and the text
   encoders there unless ``model.offload_text_encoder`` (then they sit in host memory between uses);
 * the learned reward models (``sim/reward_models.py``: CLIP-L for ``clipscore`` / ``aesthetic``, CLIP-H for
@@ -51,7 +56,8 @@ __all__ = ["SharedGpu", "planned_vs_measured", "RESERVE_BYTES", "RoleMemory", "R
 GB = 1e9
 RESERVE_BYTES = int(2 * GB)  # CUDA context (~0.5 GB) + caching-allocator fragmentation
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-_TEXT_LEN = {"qwenimage": 512, "flux": 512, "wan21": 512, "hunyuanvideo": 256}  # the adapters' pretrained defaults
+_TEXT_LEN = {"qwenimage": 512, "qwenimage_edit": 1536, "flux": 512, "wan21": 512, "wan22": 512, "hunyuanvideo": 256,
+             "sd3": 128}  # the adapters' pretrained defaults (SD3.5: T5 tokens, after its 77 CLIP tokens)
 ACTIVATIONS_METHOD = ("traced: peak live bytes of one forward+backward on the meta device at the real "
                       "dimensions (attention as a fused kernel), depth extrapolated from 2- and 3-block copies")
 
@@ -118,6 +124,10 @@ class MemoryPlan:
     decode_samples: int = 0  # samples decoded at once now
     shared: list[SharedGpu] = field(default_factory=list)  # GPUs that several actors share (placement.actors_per_gpu)
     rewards: list[RewardModelMemory] = field(default_factory=list)  # the weighted rewards' models, where they score
+    # a second expert (Wan2.2 A14B's transformer_2; transformer_params is then one expert's): its parameters,
+    # and whether the idle expert waits in host memory (model.expert_offload)
+    expert_params: int = 0
+    expert_offload: bool = False
 
     @property
     def fits(self) -> bool:
@@ -127,6 +137,7 @@ class MemoryPlan:
         return {
             "model": {"name": self.model, "variant": self.variant, "preset": self.preset,
                       "transformer_params": self.transformer_params, "text_encoder_params": self.text_encoder_params,
+                      "expert_params": self.expert_params, "expert_offload": self.expert_offload,
                       "vae_params": self.vae_params},
             "device": {"type": self.device, "capacity_bytes": self.capacity, "reserve_bytes": RESERVE_BYTES},
             "train": {"shard": self.shard, "rows_per_pass": self.rows_per_pass},
@@ -214,13 +225,16 @@ def _build_components(name: str, variant: str, preset: str, seed: int, dtype: to
         return build_full(name, variant, dtype, layers=layers, text_encoders=text_encoder == "model")
     import importlib
 
-    module = {"qwenimage": "qwenimage", "flux": "flux", "wan21": "wan", "hunyuanvideo": "hunyuan"}[name]
+    module = {"wan21": "wan", "hunyuanvideo": "hunyuan"}.get(name, name)  # the adapter's module
     builder = getattr(importlib.import_module(f"digenrl.models.{module}"), f"build_{module}_pipeline")
-    pipe = builder(preset, seed)  # a tiny preset builds in moments; then only its shapes are kept
-    texts = {k: getattr(pipe, k) for k in ("text_encoder", "text_encoder_2") if getattr(pipe, k, None) is not None}
-    for part in (pipe.transformer, pipe.vae, *texts.values()):
+    # a tiny preset builds in moments; then only its shapes are kept
+    pipe = builder(preset, seed, variant) if name == "wan22" else builder(preset, seed)  # qwenimage_edit: "edit"
+    texts = {k: getattr(pipe, k) for k in ("text_encoder", "text_encoder_2", "text_encoder_3")
+             if getattr(pipe, k, None) is not None}
+    second = getattr(pipe, "transformer_2", None)
+    for part in (pipe.transformer, pipe.vae, *texts.values(), *([second] if second is not None else [])):
         cast_quietly(part.to("meta"), dtype)
-    return FullModel(name, preset, pipe.transformer, pipe.vae, texts)
+    return FullModel(name, preset, pipe.transformer, pipe.vae, texts, second)
 
 
 def _counts(module: torch.nn.Module) -> dict[Any, int]:
@@ -351,8 +365,9 @@ def _add_rewards(r: RoleMemory, models: list[RewardModelMemory], on_host: bool, 
 
 
 def _cfg_branches(cfg: Config) -> int:
-    """Rows per forward row: true CFG runs both branches in one batch (Qwen-Image, Wan2.1)."""
-    return 2 if cfg.model.name in ("qwenimage", "wan21") and cfg.model.guidance_scale > 1.0 else 1
+    """Rows per forward row: true CFG runs both branches in one batch (Qwen-Image, Wan2.1, SD3.5)."""
+    true_cfg = ("qwenimage", "qwenimage_edit", "wan21", "wan22", "sd3")
+    return 2 if cfg.model.name in true_cfg and cfg.model.guidance_scale > 1.0 else 1
 
 
 class Traces:
@@ -440,6 +455,8 @@ def memory_plan(cfg: Config, traces: Traces | None = None) -> MemoryPlan:
 
     lora = m.finetune == "lora"
     n_train = lora_params(cfg, parts.transformer) if lora else n_transformer
+    experts = _experts(cfg, parts, n_transformer, lora)
+    n_train *= experts.trained
     master = 4 if tr.fp32_master and dtype != torch.float32 else 0
     grad_bytes = 4 if tr.fp32_master else nbytes
     div = n_trainer if shard == "fsdp" else 1
@@ -448,12 +465,14 @@ def memory_plan(cfg: Config, traces: Traces | None = None) -> MemoryPlan:
 
     def trainer(role: str, devices: int, generates: bool) -> RoleMemory:
         r = RoleMemory(role, devices, device, capacity=capacity, trainable_params=n_train)
-        r.weights = n_transformer * nbytes // div
+        r.weights = experts.resident * nbytes // div
+        r.host_bytes += experts.host * nbytes // div
+        r.notes += experts.notes
         if shard == "fsdp":
             r.weights += 2 * _largest_block(parts.transformer) * nbytes  # the gathered block and the prefetched one
             r.notes.append(f"fsdp over {n_trainer} trainers")
         if not lora and tr.kl_beta > 0:
-            r.reference = n_transformer * nbytes // div
+            r.reference = n_train * nbytes // div  # (every trained expert's)
             r.notes.append("frozen reference copy (full fine-tune, kl_beta > 0)")
         r.trainable = (n_train * nbytes if lora else 0) + n_train * master // div
         r.grads = n_train * grad_bytes // div
@@ -462,19 +481,23 @@ def memory_plan(cfg: Config, traces: Traces | None = None) -> MemoryPlan:
         if generates:
             r.activations = max(train_act, rollout_act)
             r.vae = vae_bytes
-            r.text_encoders, r.host_bytes = (0, text_bytes) if m.offload_text_encoder else (text_bytes, 0)
+            r.text_encoders = 0 if m.offload_text_encoder else text_bytes
+            r.host_bytes += text_bytes if m.offload_text_encoder else 0
             r.notes.append("also generates (TAG/colocated): VAE and rollout activations")
         return r
 
     def frozen(role: str, devices: int, dev: str, cap: int, activations: int) -> RoleMemory:
         """A role that holds the frozen policy and decodes: rollout actors, reward actors."""
         r = RoleMemory(role, devices, dev, capacity=cap)
-        r.weights = n_transformer * nbytes
+        r.weights = experts.frozen_resident * nbytes
+        r.host_bytes += experts.frozen_host * nbytes
+        r.notes += experts.frozen_notes
         r.trainable_params = n_train if lora else 0
         r.trainable = n_train * nbytes if lora else 0
         r.activations = activations
         r.vae = vae_bytes
-        r.text_encoders, r.host_bytes = (0, text_bytes) if m.offload_text_encoder else (text_bytes, 0)
+        r.text_encoders = 0 if m.offload_text_encoder else text_bytes
+        r.host_bytes += text_bytes if m.offload_text_encoder else 0
         return r
 
     roles: dict[str, RoleMemory] = {}
@@ -495,7 +518,54 @@ def memory_plan(cfg: Config, traces: Traces | None = None) -> MemoryPlan:
                       n_vae, rows, ACTIVATIONS_METHOD, roles, shared=_shared_gpus(cfg, roles), rewards=models,
                       train_row_bytes=(train_act - one_row_act) // (rows - 1) if rows > 1 else one_row_act,
                       train_activations=train_act, rollout_forward=forward_act, decode_sample=decode_act,
-                      decode_samples=min(roll_samples, cfg.rollout.decode_batch or roll_samples))
+                      decode_samples=min(roll_samples, cfg.rollout.decode_batch or roll_samples),
+                      expert_params=experts.second, expert_offload=experts.offload)
+
+
+@dataclass
+class _Experts:
+    """Transformer parameters a role holds on its device and in host memory, one expert or two (Wan2.2 A14B).
+
+    ``resident`` / ``host``: a trainer's (the trained experts' weights never move); ``frozen_*``: a role that
+    only samples (rollout, reward), whose offloaded idle expert is all frozen. ``trained``: how many experts
+    train (LoRA and optimizer state scale with it); ``second``: the second expert's parameters (0: none).
+    """
+
+    resident: int
+    host: int = 0
+    frozen_resident: int = 0
+    frozen_host: int = 0
+    trained: int = 1
+    second: int = 0
+    offload: bool = False
+    notes: list[str] = field(default_factory=list)
+    frozen_notes: list[str] = field(default_factory=list)
+
+
+def _experts(cfg: Config, parts: Any, n_expert: int, lora: bool) -> _Experts:
+    """Where the experts' weights sit (module docstring): both resident, or the idle one in host memory."""
+    second = getattr(parts, "transformer_2", None)
+    if second is None:
+        return _Experts(n_expert, frozen_resident=n_expert)
+    m = cfg.model
+    n2 = _numel(second)
+    names = {"both": ("transformer", "transformer_2"), "high": ("transformer",), "low": ("transformer_2",)}
+    trained = names[m.train_experts]
+    sizes = {"transformer": n_expert, "transformer_2": n2}
+    both = (f"two experts: transformer (high noise) {n_expert / 1e9:.2f} B + transformer_2 (low noise) "
+            f"{n2 / 1e9:.2f} B params; model.train_experts = {m.train_experts!r}")
+    if not m.expert_offload:
+        note = both + ", both resident (model.expert_offload = false)"
+        return _Experts(n_expert + n2, 0, n_expert + n2, 0, len(trained), n2, False, [note], [note])
+    # offload: one expert at a time; a trainer's fully fine-tuned experts stay (their optimizer is here)
+    pinned = 0 if lora else sum(sizes[k] for k in trained)
+    resident = max(max(sizes.values()), pinned)
+    host = n_expert + n2 - resident
+    note = (both + f", idle expert in host memory (model.expert_offload = true): {host / 1e9:.2f} B params there"
+            + ("" if lora or host else "; full fine-tuning of both experts: nothing can move"))
+    frozen_note = both + ", idle expert in host memory (model.expert_offload = true)"
+    return _Experts(resident, host, max(sizes.values()), min(sizes.values()), len(trained), n2, True, [note],
+                    [frozen_note])
 
 
 def _shared_gpus(cfg: Config, roles: dict[str, RoleMemory]) -> list[SharedGpu]:

@@ -98,9 +98,12 @@ def fused_attention() -> Iterator[None]:
 # Depth keys of each family's transformer config: the stacks the trace extrapolates along.
 DEPTH_KEYS: dict[str, tuple[str, ...]] = {
     "qwenimage": ("num_layers",),
+    "qwenimage_edit": ("num_layers",),
     "flux": ("num_layers", "num_single_layers"),
     "wan21": ("num_layers",),
+    "wan22": ("num_layers",),
     "hunyuanvideo": ("num_layers", "num_single_layers"),
+    "sd3": ("num_layers",),
 }
 
 
@@ -113,6 +116,12 @@ def transformer_inputs(name: str, transformer: torch.nn.Module, rows: int, heigh
         return torch.empty(*shape, device="meta", dtype=dt)
 
     lat_f, lat_h, lat_w = (frames - 1) // 4 + 1, height // 8, width // 8
+    if name == "qwenimage_edit":  # the noise tokens, then one input image's at the output's size (image_area's default)
+        s = (lat_h // 2) * (lat_w // 2)
+        return dict(hidden_states=empty(rows, 2 * s, c.in_channels), timestep=empty(rows),
+                    encoder_hidden_states=empty(rows, text_len, c.joint_attention_dim),
+                    encoder_hidden_states_mask=torch.ones(rows, text_len, device="meta", dtype=torch.long),
+                    img_shapes=[[(1, lat_h // 2, lat_w // 2)] * 2] * rows, return_dict=False)
     if name == "qwenimage":
         return dict(hidden_states=empty(rows, (lat_h // 2) * (lat_w // 2), c.in_channels), timestep=empty(rows),
                     encoder_hidden_states=empty(rows, text_len, c.joint_attention_dim),
@@ -124,6 +133,10 @@ def transformer_inputs(name: str, transformer: torch.nn.Module, rows: int, heigh
                     pooled_projections=empty(rows, c.pooled_projection_dim),
                     encoder_hidden_states=empty(rows, text_len, c.joint_attention_dim),
                     txt_ids=empty(text_len, 3), img_ids=empty(s, 3), return_dict=False)
+    if name == "wan22":  # TI2V-5B's 48-channel VAE compresses 16x in space, A14B's (Wan2.1's) 8x
+        s = 16 if c.in_channels == 48 else 8
+        return dict(hidden_states=empty(rows, c.in_channels, lat_f, height // s, width // s), timestep=empty(rows),
+                    encoder_hidden_states=empty(rows, text_len, c.text_dim), return_dict=False)
     if name == "wan21":
         return dict(hidden_states=empty(rows, c.in_channels, lat_f, lat_h, lat_w), timestep=empty(rows),
                     encoder_hidden_states=empty(rows, text_len, c.text_dim), return_dict=False)
@@ -132,6 +145,10 @@ def transformer_inputs(name: str, transformer: torch.nn.Module, rows: int, heigh
                     encoder_hidden_states=empty(rows, text_len, c.text_embed_dim),
                     encoder_attention_mask=torch.ones(rows, text_len, device="meta", dtype=torch.long),
                     pooled_projections=empty(rows, c.pooled_projection_dim), guidance=empty(rows), return_dict=False)
+    if name == "sd3":  # the sequence: 77 CLIP tokens, then text_len T5 tokens (pipeline.encode_prompt)
+        return dict(hidden_states=empty(rows, c.in_channels, lat_h, lat_w), timestep=empty(rows, dt=torch.float32),
+                    encoder_hidden_states=empty(rows, 77 + text_len, c.joint_attention_dim),
+                    pooled_projections=empty(rows, c.pooled_projection_dim), return_dict=False)
     raise ValueError(f"no meta inputs for model {name!r}")
 
 
@@ -177,6 +194,14 @@ def trace_extrapolated(name: str, transformer: torch.nn.Module, make_inputs: Any
             copy = cast_quietly(cls.from_config({**config, **depths}), dtype)
         return trace_pass(name, copy, make_inputs(copy), train=train, checkpointing=checkpointing)
 
+    dual = [i for i in config.get("dual_attention_layers") or () if i < config.get("num_layers", 0) - 1]
+    if dual and config["num_layers"] > 3:
+        # SD3.5-Medium (MMDiT-X): its first blocks carry a second attention, so they form a stack of their own
+        # (blocks 0..d-1 dual, then plain ones, the last without a context output, as in the real model)
+        p0 = peak({"num_layers": 2, "dual_attention_layers": (0,)})
+        per_dual = peak({"num_layers": 3, "dual_attention_layers": (0, 1)}) - p0
+        per_plain = peak({"num_layers": 3, "dual_attention_layers": (0,)}) - p0
+        return p0 + (len(dual) - 1) * per_dual + (config["num_layers"] - 1 - len(dual)) * per_plain
     # two and three blocks: with one, the checkpointed peak can sit in a different phase of the pass
     base = {k: min(2, config[k]) for k in keys}
     p0 = peak(base)
@@ -191,8 +216,9 @@ def trace_decode(name: str, vae: torch.nn.Module, height: int, width: int, frame
     """Peak bytes of decoding one sample with ``vae`` on the meta device (no grad)."""
     dtype = next(vae.parameters()).dtype
     z = vae.config.get("z_dim") or vae.config.get("latent_channels")
-    lat_f, lat_h, lat_w = (frames - 1) // 4 + 1, height // 8, width // 8
-    shape = (1, z, lat_h, lat_w) if name == "flux" else (1, z, lat_f, lat_h, lat_w)
+    s = vae.config.get("scale_factor_spatial") or 8  # Wan2.2's 48-channel VAE: 16
+    lat_f, lat_h, lat_w = (frames - 1) // 4 + 1, height // s, width // s
+    shape = (1, z, lat_h, lat_w) if name in ("flux", "sd3") else (1, z, lat_f, lat_h, lat_w)
     mode = LiveBytes()
     with torch.no_grad(), mode:
         vae.decode(torch.empty(shape, device="meta", dtype=dtype), return_dict=False)

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from digenrl.data.images import reward_inputs
 from digenrl.schedule.base import Fragment, Token, TokenKind
 from digenrl.sim.cost import TRAIN_PASSES
 
@@ -197,7 +198,8 @@ def _decode(bench: TokenBench, b: int) -> None:
 def _score(bench: TokenBench, b: int) -> None:
     with torch.no_grad():
         images, prompts = bench.model.decode(bench.fresh(b).x), bench.prompts[:b]
-    seconds, runs = bench.timed(lambda _: bench.reward.score(images, prompts))
+    texts, sources = reward_inputs(prompts, images, bench.reward.uses_sources)
+    seconds, runs = bench.timed(lambda _: bench.reward.score(images, texts, sources=sources))
     flops = b * bench.profile.reward_flops or None
     bench.add(Measurement("reward score", b, "samples", seconds, runs, flops, "sim/reward_models.py" if flops else "",
                           note="the config's reward models on reward.device" if flops else

@@ -31,8 +31,10 @@ from typing import Any
 import torch
 
 from digenrl.config import Config
+from digenrl.data.images import reward_inputs
 from digenrl.data.prompts import batch_prompts, load_prompts
 from digenrl.models import GeneratorModel, decode_in_chunks, repeat_cond
+from digenrl.models.experts import expert_splitter, window_range
 from digenrl.models.lora import load_trainable, reference, sampling, save_trainable
 from digenrl.policy import build_model, trained_steps
 from digenrl.recipes.checkpoint import find_checkpoint, load_state, write_checkpoint
@@ -49,7 +51,8 @@ from digenrl.rl.tsp import packed_backward, parity_recompute
 from digenrl.schedule.base import Device, Role, Workload
 from digenrl.telemetry.live import LiveDisplay
 from digenrl.telemetry.memory import peak_memory
-from digenrl.telemetry.metrics import LOSS_KEYS, MetricsLog, StepMetrics, parity_fields, parity_warning
+from digenrl.telemetry.metrics import (LOSS_KEYS, MetricsLog, StepMetrics, expert_fields, parity_fields,
+                                       parity_warning)
 from digenrl.telemetry.spans import SpanLog
 from digenrl.telemetry.stats import run_stats
 from digenrl.telemetry.trace import write_artifacts
@@ -136,7 +139,7 @@ def iteration(run: ColocatedRun, it: int) -> tuple[dict[str, Any], torch.Tensor,
     sids = list(range(len(prompts)))
     x0 = initial_latents(model, cfg.log.seed, it, initial_keys(sids, g, ro.same_init_noise))
     plan = plan_steps(ro.num_steps, groups, mode=ro.steps, window=ro.window,
-                      window_range=ro.window_bounds(), fraction=ro.fraction, seed=seed)  # type: ignore[arg-type]
+                      window_range=window_range(model, ro), fraction=ro.fraction, seed=seed)  # type: ignore[arg-type]
     with sampling(model):  # LoRA merged into fp32 weights, as the rollout actors sample
         res = rollout_steps(model.velocity, x0, cond, run.sigmas, plan, 0, ro.num_steps, noise_level=ro.noise_level,
                             kind=ro.sde,  # type: ignore[arg-type]
@@ -146,7 +149,9 @@ def iteration(run: ColocatedRun, it: int) -> tuple[dict[str, Any], torch.Tensor,
     images = decode_in_chunks(model, res.x, ro.decode_batch)
     t2 = time.perf_counter()
     failures = run.reward.failures
-    rewards = run.reward.score(images, prompts)
+    # rewards read the prompts' texts; an edit reward also the samples' input images (data/images.py)
+    texts, sources = reward_inputs(prompts, images, run.reward.uses_sources)
+    rewards = run.reward.score(images, texts, sources=sources)
     failed = len(prompts) if run.reward.failures > failures else 0  # a failed call penalises all its samples
     if run.reward_budget is not None:  # before training on penalties
         run.reward_budget.add(it, failed, len(prompts), run.reward.last_error)
@@ -184,6 +189,7 @@ def iteration(run: ColocatedRun, it: int) -> tuple[dict[str, Any], torch.Tensor,
         t_rollout=t1 - t0, t_decode=t2 - t1, t_reward=t3 - t2, t_train=t4 - t3,
         dropped_messages=0,  # one process, no socket: nothing to drop
         rewards={name: float(s.mean()) for name, s in comps.items()}, **parity_fields(stats),
+        rows_by_expert=expert_fields(stats),
     )
     line = metrics.line()
     if (warning := parity_warning(line, tr.parity_tolerance)) is not None:
@@ -211,7 +217,8 @@ def _backward(run: ColocatedRun, batch: TransitionBatch, cond: dict[str, torch.T
         return []
     ref = _ref_velocity(run.model) if run.loss_cfg.kl_beta > 0 else None
     return packed_backward(run.model.velocity, batch, cond, adv.to(batch.x.device), run.loss_cfg,
-                           rows_per_pass=run.cfg.train.rows_per_pass or None, ref_velocity=ref)
+                           rows_per_pass=run.cfg.train.rows_per_pass or None, ref_velocity=ref,
+                           experts=expert_splitter(run.model))
 
 
 def _optimizer_step(run: ColocatedRun, step: int) -> float:

@@ -3,6 +3,12 @@
 A reward is a small object with ``score(images, prompts) -> Tensor[B]``: ``images`` are ``[B, 3, H, W]``
 (or videos ``[B, 3, F, H, W]``) in ``[0, 1]`` as returned by ``GeneratorModel.decode``. Higher is better.
 
+A reward of an image-conditioned model (an edit reward: a function of the output *and* its input) sets
+``uses_sources = True`` and takes ``score(images, prompts, sources=...)``: ``sources`` are the samples'
+input images ``[B, K, 3, H, W]`` in ``[0, 1]`` at the outputs' size (``data/images.py``). The wrappers
+here hand ``sources`` to the rewards that declare it and only to them, so every other reward keeps its
+two-argument ``score``.
+
 A reward that cannot score raises :class:`RewardError`. It never returns a silent zero: a zero is a
 valid score that would quietly bias the advantages. :class:`GuardedReward` turns failures into a
 configured penalty instead, and counts and logs every substitution so it shows up in the metrics;
@@ -19,7 +25,7 @@ import torch
 
 from digenrl.errors import DigenrlError
 
-__all__ = ["RewardError", "Reward", "WeightedReward", "GuardedReward", "check_batch", "as_frames"]
+__all__ = ["RewardError", "Reward", "WeightedReward", "GuardedReward", "check_batch", "as_frames", "score_with_sources"]
 
 log = logging.getLogger(__name__)
 
@@ -30,7 +36,7 @@ class RewardError(DigenrlError):
 
 @runtime_checkable
 class Reward(Protocol):
-    """``score(images, prompts) -> Tensor[B]`` (fp32, finite)."""
+    """``score(images, prompts) -> Tensor[B]`` (fp32, finite); an edit reward also ``uses_sources`` (module docstring)."""
 
     name: str
 
@@ -52,6 +58,21 @@ def check_batch(images: torch.Tensor, prompts: Sequence[str], who: str) -> None:
         raise RewardError(f"{who}: {images.shape[0]} images but {len(prompts)} prompts")
     if images.numel() and (float(images.min()) < -1e-4 or float(images.max()) > 1 + 1e-4):
         raise RewardError(f"{who}: image values must lie in [0, 1], got [{float(images.min()):.3f}, {float(images.max()):.3f}]")
+
+
+def score_with_sources(reward: Reward, images: torch.Tensor, prompts: Sequence[str],
+                       sources: torch.Tensor | None) -> torch.Tensor:
+    """``reward.score(images, prompts)``, with ``sources=`` for a reward that ``uses_sources``.
+
+    Raises:
+        RewardError: the reward uses sources and there are none (its prompts carry no input images).
+    """
+    if not getattr(reward, "uses_sources", False):
+        return reward.score(images, prompts)
+    if sources is None:
+        raise RewardError(f"{reward.name}: scores an output against its input images, and these prompts carry none "
+                          "(an image-conditioned model with a JSONL prompt file: data.prompt_file)")
+    return reward.score(images, prompts, sources=sources)  # type: ignore[call-arg]
 
 
 def as_frames(images: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -81,8 +102,13 @@ class WeightedReward:
         self.name = "+".join(f"{w:g}*{n}" for n, (_, w) in self.parts.items())
         self.last_components: dict[str, torch.Tensor] = {}
 
-    def score(self, images: torch.Tensor, prompts: Sequence[str]) -> torch.Tensor:
-        """Weighted sum of the components' scores.
+    @property
+    def uses_sources(self) -> bool:
+        """Some component scores against the samples' input images (the caller loads them only then)."""
+        return any(getattr(r, "uses_sources", False) for r, _ in self.parts.values())
+
+    def score(self, images: torch.Tensor, prompts: Sequence[str], sources: torch.Tensor | None = None) -> torch.Tensor:
+        """Weighted sum of the components' scores (``sources``: the input images, for the rewards that use them).
 
         Raises:
             RewardError: a component failed or returned a wrong shape or non-finite values.
@@ -90,7 +116,7 @@ class WeightedReward:
         total = torch.zeros(images.shape[0], dtype=torch.float32)
         comps: dict[str, torch.Tensor] = {}
         for name, (reward, weight) in self.parts.items():
-            s = torch.as_tensor(reward.score(images, prompts), dtype=torch.float32).cpu()
+            s = torch.as_tensor(score_with_sources(reward, images, prompts, sources), dtype=torch.float32).cpu()
             if s.shape != (images.shape[0],):
                 raise RewardError(f"reward {name!r} returned shape {tuple(s.shape)}, expected [{images.shape[0]}]")
             if not bool(torch.isfinite(s).all()):
@@ -121,14 +147,19 @@ class GuardedReward:
         self.failures = 0
         self.last_error = ""  # the latest failure's message (the run's failure budget quotes it)
 
-    def score(self, images: torch.Tensor, prompts: Sequence[str]) -> torch.Tensor:
+    @property
+    def uses_sources(self) -> bool:
+        """The inner reward scores against the samples' input images (``score(..., sources=)``)."""
+        return bool(getattr(self.inner, "uses_sources", False))
+
+    def score(self, images: torch.Tensor, prompts: Sequence[str], sources: torch.Tensor | None = None) -> torch.Tensor:
         """The inner score, or the penalty after a logged failure.
 
         Raises:
             RewardError: the inner reward failed and ``on_error == "raise"``.
         """
         try:
-            s = torch.as_tensor(self.inner.score(images, prompts), dtype=torch.float32)
+            s = torch.as_tensor(score_with_sources(self.inner, images, prompts, sources), dtype=torch.float32)
             if not bool(torch.isfinite(s).all()):
                 raise RewardError(f"reward {self.name!r} returned non-finite scores {s.tolist()}")
             return s

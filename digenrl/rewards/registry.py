@@ -51,6 +51,12 @@ def _color(table: Mapping[str, Any], device: str, dtype: str) -> Reward:
     return ColorReward()
 
 
+def _edit_consistency(table: Mapping[str, Any], device: str, dtype: str) -> Reward:
+    from digenrl.rewards.edit import EditConsistencyReward
+
+    return EditConsistencyReward()
+
+
 def _shapes(table: Mapping[str, Any], device: str, dtype: str) -> Reward:
     from digenrl.rewards.shapes import ShapesReward
 
@@ -121,6 +127,7 @@ _FACTORIES: dict[str, RewardFactory] = {
     "jpeg_compressibility": _jpeg_c,
     "jpeg_incompressibility": _jpeg_i,
     "color": _color,
+    "edit_consistency": _edit_consistency,  # an edit model's: the output against its input image
     "shapes": _shapes,
     "ocr": _ocr,
     "clipscore": _clipscore,
@@ -134,6 +141,7 @@ _TABLES: dict[str, TableSpec] = {
     "jpeg_compressibility": _NO_TABLE,
     "jpeg_incompressibility": _NO_TABLE,
     "color": _NO_TABLE,
+    "edit_consistency": _NO_TABLE,
     "shapes": _NO_TABLE,
     "ocr": _NO_TABLE,
     "clipscore": CLIP_TABLE,

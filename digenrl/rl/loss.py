@@ -182,7 +182,8 @@ def reduce_stats(sums: list[Sums]) -> dict[str, float]:
     """Turn accumulated per-row sums into means over all rows (``rows`` stays a count).
 
     ``*_max`` keys reduce by maximum; ``parity_*`` sums are means over ``parity_rows`` (see
-    :func:`parity_sums`), which stays a count. Tensor values are read first (:func:`host_sums`).
+    :func:`parity_sums`), which stays a count, as do ``rows_by_expert/<label>`` (``digenrl.rl.tsp``).
+    Tensor values are read first (:func:`host_sums`).
     """
     total: dict[str, float] = {}
     for s in host_sums(sums):
@@ -192,7 +193,7 @@ def reduce_stats(sums: list[Sums]) -> dict[str, float]:
     n_parity = max(total.get("parity_rows", 0.0), 1.0)
     out = {}
     for k, v in total.items():
-        if k in ("rows", "parity_rows") or k.endswith("_max"):
+        if k in ("rows", "parity_rows") or k.endswith("_max") or k.startswith("rows_by_expert/"):
             out[k] = v
         else:
             out[k] = v / (n_parity if k.startswith("parity_") else n)

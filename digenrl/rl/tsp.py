@@ -9,9 +9,16 @@ float rounding. ``rows_per_pass`` is the knob that trades memory for fewer, larg
 
 Both functions only call ``backward()``; the caller owns ``zero_grad``, clipping and the optimizer step,
 so fragments of one logical batch can accumulate into one update.
+
+A mixture-of-experts generator (Wan2.2 A14B: one expert per noise level) passes ``experts``
+(:func:`digenrl.models.experts.expert_splitter`): the rows are then grouped by expert before they are cut
+into passes, so every pass runs one expert (an offloaded idle expert never swaps inside a graph), and each
+pass's sums count its rows as ``rows_by_expert/<label>`` (``high`` / ``low``), which the metrics report.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
@@ -20,7 +27,22 @@ from digenrl.rl.loss import LossConfig, Sums, grpo_loss, parity_sums
 from digenrl.rl.rollout import TransitionBatch, VelocityFn
 from digenrl.rl.sde import gaussian_log_prob, transition_stats
 
-__all__ = ["packed_backward", "per_step_backward", "sliced_backward", "backward_rows", "parity_recompute"]
+__all__ = ["packed_backward", "per_step_backward", "sliced_backward", "backward_rows", "parity_recompute",
+           "ExpertSplit"]
+
+#: ``sigma [B] -> [(label, row indices)]``: the rows of each expert (``digenrl.models.experts.expert_rows``).
+ExpertSplit = Callable[[torch.Tensor], list[tuple[str, torch.Tensor]]]
+
+
+def _by_expert(batch: TransitionBatch, experts: ExpertSplit | None) -> list[tuple[str | None, TransitionBatch]]:
+    """``batch`` as one group (no experts) or one sub-batch per expert with rows, high noise first."""
+    if experts is None or len(batch) == 0:
+        return [(None, batch)]
+    return [(label, batch.rows(rows)) for label, rows in experts(batch.sigma)]
+
+
+def _counted(sums: Sums, label: str | None, rows: int) -> Sums:
+    return sums if label is None else {**sums, f"rows_by_expert/{label}": float(rows)}
 
 
 def backward_rows(
@@ -93,6 +115,7 @@ def packed_backward(
     normalizer: float | None = None,
     ref_velocity: VelocityFn | None = None,
     parity: bool = True,
+    experts: ExpertSplit | None = None,
 ) -> list[Sums]:
     """TSP: backward over ``batch`` in passes of up to ``rows_per_pass`` (sample x step) rows.
 
@@ -106,6 +129,7 @@ def packed_backward(
         normalizer: total trained rows of the update (defaults to ``len(batch)``).
         ref_velocity: reference velocity for the KL.
         parity: the rows were sampled by ``velocity``'s weights (see :func:`backward_rows`).
+        experts: a mixture-of-experts model's row split: passes never mix experts (module docstring).
 
     Returns:
         Per-pass diagnostic sums (reduce with :func:`digenrl.rl.loss.reduce_stats`).
@@ -119,10 +143,12 @@ def packed_backward(
         raise ValueError(f"rows_per_pass must be >= 1, got {rows_per_pass}")
     norm = float(normalizer if normalizer is not None else max(n, 1))
     out: list[Sums] = []
-    for lo in range(0, n, max(per, 1)):
-        sub = batch.rows(slice(lo, lo + per))
-        out.append(backward_rows(velocity, sub, cond, advantages, cfg, normalizer=norm, ref_velocity=ref_velocity,
-                                 parity=parity))
+    for label, group in _by_expert(batch, experts):
+        for lo in range(0, len(group), max(per, 1)):
+            sub = group.rows(slice(lo, lo + per))
+            sums = backward_rows(velocity, sub, cond, advantages, cfg, normalizer=norm, ref_velocity=ref_velocity,
+                                 parity=parity)
+            out.append(_counted(sums, label, len(sub)))
     return out
 
 
@@ -136,14 +162,17 @@ def per_step_backward(
     normalizer: float | None = None,
     ref_velocity: VelocityFn | None = None,
     parity: bool = True,
+    experts: ExpertSplit | None = None,
 ) -> list[Sums]:
-    """The Flow-GRPO reference loop: one forward/backward per timestep over the samples trained there."""
+    """The Flow-GRPO reference loop: one forward/backward per timestep over the samples trained there
+    (``experts``: as :func:`packed_backward`; a step's rows share one sigma, hence one expert)."""
     norm = float(normalizer if normalizer is not None else max(len(batch), 1))
     out: list[Sums] = []
     for step in torch.unique(batch.step).tolist():
-        sub = batch.rows((batch.step == step).nonzero().flatten())
-        out.append(backward_rows(velocity, sub, cond, advantages, cfg, normalizer=norm, ref_velocity=ref_velocity,
-                                 parity=parity))
+        for label, sub in _by_expert(batch.rows((batch.step == step).nonzero().flatten()), experts):
+            sums = backward_rows(velocity, sub, cond, advantages, cfg, normalizer=norm, ref_velocity=ref_velocity,
+                                 parity=parity)
+            out.append(_counted(sums, label, len(sub)))
     return out
 
 
@@ -176,6 +205,7 @@ def sliced_backward(
     normalizer: float,
     ref_velocity: VelocityFn | None = None,
     parity: bool = True,
+    experts: ExpertSplit | None = None,
 ) -> list[Sums]:
     """TSP under sharded data parallelism (FSDP): rank ``rank``'s slice of ``batch``, in as many passes as every rank.
 
@@ -186,9 +216,20 @@ def sliced_backward(
     pass runs it on the batch's first row with zero weight: the collectives match, its gradient
     contribution is exactly zero. Summed over ranks the gradient is :func:`packed_backward`'s.
 
+    ``experts``: each expert's rows are sliced this way in turn (every rank sees the whole token, so the
+    groups, and the pass counts, agree across ranks).
+
     Returns:
         This rank's per-pass diagnostic sums (zero-weight passes left out).
     """
+    if experts is not None:
+        out_all: list[Sums] = []
+        for label, group in _by_expert(batch, experts):
+            for sums in sliced_backward(velocity, group, cond, advantages, cfg, rank=rank, world=world,
+                                        rows_per_pass=rows_per_pass, normalizer=normalizer,
+                                        ref_velocity=ref_velocity, parity=parity):
+                out_all.append(_counted(sums, label, int(sums.get("rows", 0))))
+        return out_all
     n = len(batch)
     if n == 0:  # the same on every rank (each sees the whole token): nobody runs a pass
         return []

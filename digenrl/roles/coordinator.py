@@ -53,7 +53,8 @@ from digenrl.rl.loss import reduce_stats
 from digenrl.schedule import make_schedule
 from digenrl.schedule.base import (CostEstimate, Device, DeviceDied, DeviceJoined, Role, Schedule, Token, TokenDone,
                                    TokenKind, Workload)
-from digenrl.telemetry.metrics import LOSS_KEYS, PHASE_KEYS, StepMetrics, parity_fields, parity_warning, total_drops
+from digenrl.telemetry.metrics import (LOSS_KEYS, PHASE_KEYS, StepMetrics, expert_fields, parity_fields, parity_warning,
+                                       total_drops)
 from digenrl.telemetry.spans import SpanLog, window_bubbles
 
 __all__ = ["Coordinator", "RunStopped"]
@@ -533,7 +534,7 @@ class Coordinator:
             bubble_ratio=bubbles, **{k: book.phase.get(k, 0.0) for k in PHASE_KEYS},
             dropped_messages=dropped, dropped=by_reason,
             rewards={name: float(torch.tensor(_in_sample_order(v)).mean()) for name, v in book.components.items() if v},
-            **parity_fields(stats),
+            **parity_fields(stats), rows_by_expert=expert_fields(stats),
         ).line()
         if (warning := parity_warning(metrics, self.cfg.train.parity_tolerance)) is not None:
             log.warning("coordinator: %s", warning)

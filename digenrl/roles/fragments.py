@@ -21,8 +21,10 @@ from typing import Any
 import torch
 
 from digenrl.config import Config
+from digenrl.data.images import reward_inputs
 from digenrl.errors import StalenessViolation
 from digenrl.models import GeneratorModel, cat_cond, cond_to, decode_in_chunks, repeat_cond
+from digenrl.models.experts import has_experts, window_range
 from digenrl.models.lora import sampling
 from digenrl.policy import trained_steps
 from digenrl.rl.noise import initial_keys, initial_latents, transition_noise
@@ -158,7 +160,7 @@ class FragmentEngine:
     def _plan(self, frag: FragmentData) -> Any:
         ro = self.cfg.rollout
         return plan_steps(ro.num_steps, frag.prompt_ids(), frag.sample_ids(), mode=ro.steps,  # type: ignore[arg-type]
-                          window=ro.window, window_range=ro.window_bounds(), fraction=ro.fraction,
+                          window=ro.window, window_range=window_range(self.model, ro), fraction=ro.fraction,
                           seed=self.cfg.log.seed * 1_000_003 + frag.geo[0])
 
     def advance(self, frags: list[FragmentData], start: int, stop: int) -> None:
@@ -228,9 +230,10 @@ class FragmentEngine:
         t0 = time.perf_counter()
         images = decode_in_chunks(self.model, frag.x, self.cfg.rollout.decode_batch)
         decode_s = time.perf_counter() - t0
-        sample_prompts = [prompts[p] for p in frag.prompt_ids()]
+        # rewards read the prompts' texts; an edit reward also the samples' input images (data/images.py)
+        texts, sources = reward_inputs([prompts[p] for p in frag.prompt_ids()], images, self.reward.uses_sources)
         failures = self.reward.failures
-        rewards = self.reward.score(images, sample_prompts).float().flatten()
+        rewards = self.reward.score(images, texts, sources=sources).float().flatten()
         # A failed call scores every sample of it with the penalty (GuardedReward).
         failed = frag.num_samples if self.reward.failures > failures else 0
         components = {} if failed else dict(getattr(self.reward.inner, "last_components", {}))
@@ -242,9 +245,14 @@ class FragmentEngine:
 
 
 def probe_velocity(engine: FragmentEngine, seed: int) -> torch.Tensor:
-    """Velocity the engine samples with (LoRA merged as in ``advance``) on seeded noise and a fixed prompt."""
+    """Velocity the engine samples with (LoRA merged as in ``advance``) on seeded noise and a fixed prompt.
+
+    Both rows at the first step's sigma; with experts (Wan2.2 A14B), the second row at the last step's, so
+    each expert answers one row.
+    """
     gen = torch.Generator().manual_seed(seed)
     x = engine.model.prepare_latents(2, generator=gen)
     cond = repeat_cond(engine.model.encode_prompts(["a red square"]), 2)
+    sigma = engine.sigmas[[0, -2] if has_experts(engine.model) else [0, 0]].float()
     with sampling(engine.model):
-        return engine.model.velocity(x, engine.sigmas[0].float().expand(2), cond)
+        return engine.model.velocity(x, sigma, cond)

@@ -34,6 +34,7 @@ from digenrl.actors.base import Actor, endpoint
 from digenrl.config import config_from_dict
 from digenrl.errors import ActorDied, ConfigError, StalenessViolation
 from digenrl.models import cat_cond, cond_to, reference
+from digenrl.models.experts import expert_splitter
 from digenrl.models.lora import (load_trainable, load_trainable_state_dict, trainable_mode, trainable_parameters,
                                  trainable_state_dict)
 from digenrl.policy import build_model, prepare_for_training
@@ -246,17 +247,18 @@ class TrainerActor(GenerationMixin, Actor):
         ref = self._ref_velocity if self.loss_cfg.kl_beta > 0 else None
         on_policy = batch.policy_version == self.version  # then the training forward also measures parity
         per = self.cfg.train.rows_per_pass or None
+        experts = expert_splitter(self.model)  # a mixture of experts: passes by expert, rows_by_expert counted
         if self.shard == "fsdp":
             assert self.group is not None
             sums = sliced_backward(self.model.velocity, batch, cond, adv, self.loss_cfg, rank=self.group.rank,
                                    world=self.group.world_size, rows_per_pass=per, normalizer=1.0, ref_velocity=ref,
-                                   parity=on_policy)
+                                   parity=on_policy, experts=experts)
         elif packed:
             sums = packed_backward(self.model.velocity, batch, cond, adv, self.loss_cfg, rows_per_pass=per,
-                                   normalizer=1.0, ref_velocity=ref, parity=on_policy)
+                                   normalizer=1.0, ref_velocity=ref, parity=on_policy, experts=experts)
         else:
             sums = per_step_backward(self.model.velocity, batch, cond, adv, self.loss_cfg, normalizer=1.0,
-                                     ref_velocity=ref, parity=on_policy)
+                                     ref_velocity=ref, parity=on_policy, experts=experts)
         if not on_policy and self.cfg.train.check_parity:
             parity = self._behaviour_parity(batch, cond)  # (under FSDP a forward: every member runs it)
             sums += [parity] if self._reports_rows else []

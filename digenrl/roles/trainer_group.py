@@ -200,6 +200,8 @@ def shard_model(model: Any, fp32_master: bool) -> None:
         if module is None:
             continue
         blocks = [b for name in _BLOCK_LISTS for b in getattr(module, name, [])]
+        if not blocks:  # an ExpertSet (Wan2.2 A14B): each expert's blocks
+            blocks = [b for part in module.children() for name in _BLOCK_LISTS for b in getattr(part, name, [])]
         if not blocks:
             raise ConfigError(f"train.shard = 'fsdp': {type(module).__name__} has none of the block lists "
                               f"{_BLOCK_LISTS} to shard; use train.shard = 'ddp'")

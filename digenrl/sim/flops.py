@@ -27,12 +27,18 @@ from typing import Any
 from digenrl.errors import ConfigError
 
 __all__ = ["ARCHITECTURES", "BLOCK_KEYS", "DEFAULT_CONFIGS", "VARIANTS", "SampleShape", "default_variant",
-           "forward_flops", "tokens", "param_count", "variant_config"]
+           "forward_flops", "tokens", "param_count", "variant_config", "SPATIAL_FACTOR"]
 
-ARCHITECTURES = ("qwen-image", "flux", "wan", "hunyuan-video")
+ARCHITECTURES = ("qwen-image", "flux", "wan", "hunyuan-video", "sd3", "wan2.2", "qwen-image-edit")
 
 DEFAULT_CONFIGS: dict[str, dict[str, Any]] = {
     "qwen-image": {  # QwenImageTransformer2DModel()
+        "patch_size": 2, "in_channels": 64, "out_channels": 16, "num_layers": 60, "attention_head_dim": 128,
+        "num_attention_heads": 24, "joint_attention_dim": 3584, "guidance_embeds": False,
+    },
+    # Qwen-Image-Edit (and -2509, "edit-plus"): Qwen-Image's transformer config; its sequence also holds the input
+    # image's tokens (``tokens``)
+    "qwen-image-edit": {
         "patch_size": 2, "in_channels": 64, "out_channels": 16, "num_layers": 60, "attention_head_dim": 128,
         "num_attention_heads": 24, "joint_attention_dim": 3584, "guidance_embeds": False,
     },
@@ -45,10 +51,23 @@ DEFAULT_CONFIGS: dict[str, dict[str, Any]] = {
         "patch_size": (1, 2, 2), "num_attention_heads": 40, "attention_head_dim": 128, "in_channels": 16,
         "out_channels": 16, "text_dim": 4096, "freq_dim": 256, "ffn_dim": 13824, "num_layers": 40,
     },
+    # Wan2.2: A14B's two experts each have Wan2.1-T2V-14B's architecture, and a denoising step runs one of
+    # them, so one forward is one 14 B expert's (param_count counts both: what a rollout engine holds)
+    "wan2.2": {
+        "patch_size": (1, 2, 2), "num_attention_heads": 40, "attention_head_dim": 128, "in_channels": 16,
+        "out_channels": 16, "text_dim": 4096, "freq_dim": 256, "ffn_dim": 13824, "num_layers": 40,
+    },
     "hunyuan-video": {  # HunyuanVideoTransformer3DModel()
         "in_channels": 16, "out_channels": 16, "num_attention_heads": 24, "attention_head_dim": 128,
         "num_layers": 20, "num_single_layers": 40, "num_refiner_layers": 2, "mlp_ratio": 4.0, "patch_size": 2,
         "patch_size_t": 1, "guidance_embeds": True, "text_embed_dim": 4096, "pooled_projection_dim": 768,
+    },
+    # SD3Transformer2DModel's defaults are SD3 (not 3.5); this is stabilityai/stable-diffusion-3.5-large's
+    # transformer/config.json (models/full.py; a test builds both sizes on meta and counts them)
+    "sd3": {
+        "patch_size": 2, "in_channels": 16, "out_channels": 16, "num_layers": 38, "attention_head_dim": 64,
+        "num_attention_heads": 38, "joint_attention_dim": 4096, "caption_projection_dim": 2432,
+        "pooled_projection_dim": 2048, "dual_attention_layers": (),
     },
 }
 
@@ -56,14 +75,26 @@ DEFAULT_CONFIGS: dict[str, dict[str, Any]] = {
 # Wan2.1-T2V-1.3B-Diffusers transformer/config.json: 12 heads x 128, ffn 8960, 30 layers (1.42 B).
 VARIANTS: dict[str, dict[str, dict[str, Any]]] = {
     "qwen-image": {"20B": {}},
+    "qwen-image-edit": {"edit-plus": {}, "edit": {}},  # one transformer, two pipelines (models/qwenimage_edit.py)
     "flux": {"12B": {}},
     "wan": {"1.3B": {"num_attention_heads": 12, "ffn_dim": 8960, "num_layers": 30}, "14B": {}},
     "hunyuan-video": {"13B": {}},
+    # Wan-AI/Wan2.2-TI2V-5B-Diffusers transformer/config.json: 24 heads x 128, ffn 14336, 30 layers, 48 channels
+    # (its VAE compresses 16x in space: SPATIAL_FACTOR)
+    "wan2.2": {"TI2V-5B": {"num_attention_heads": 24, "ffn_dim": 14336, "num_layers": 30, "in_channels": 48,
+                           "out_channels": 48}, "A14B": {}},
+    # stabilityai/stable-diffusion-3.5-medium transformer/config.json: MMDiT-X, dual attention in blocks 0-12
+    "sd3": {"medium": {"num_layers": 24, "num_attention_heads": 24, "caption_projection_dim": 1536,
+                       "dual_attention_layers": tuple(range(13))}, "large": {}},
 }
 
 # The block stacks ``model.layers`` cuts (models/full.py BLOCK_KEYS); HunyuanVideo's token refiner stays.
-BLOCK_KEYS: dict[str, tuple[str, ...]] = {"qwen-image": ("num_layers",), "flux": ("num_layers", "num_single_layers"),
-                                          "wan": ("num_layers",), "hunyuan-video": ("num_layers", "num_single_layers")}
+BLOCK_KEYS: dict[str, tuple[str, ...]] = {
+    "qwen-image": ("num_layers",), "qwen-image-edit": ("num_layers",), "flux": ("num_layers", "num_single_layers"),
+    "wan": ("num_layers",), "hunyuan-video": ("num_layers", "num_single_layers"), "sd3": ("num_layers",),
+    "wan2.2": ("num_layers",)}
+# VAE spatial compression where it is not 8: (architecture, variant) -> factor (Wan2.2 TI2V-5B's VAE).
+SPATIAL_FACTOR: dict[tuple[str, str], int] = {("wan2.2", "TI2V-5B"): 16}
 
 # Sinusoidal timestep features are 256 wide in all four models (TimestepEmbedding(in_channels=256)).
 _TIME_FREQ = 256
@@ -127,10 +158,16 @@ def variant_config(arch: str, variant: str = "", layers: int = 0) -> dict[str, A
 def tokens(arch: str, shape: SampleShape, config: dict[str, Any] | None = None) -> int:
     """Number of image/video tokens the transformer sees for one sample (after patching/packing)."""
     c = _config(arch, config)
+    if arch == "sd3":  # 2x2 patches of the latent, inside the transformer
+        return shape.latent_frames * (shape.latent_height // c["patch_size"]) * (shape.latent_width // c["patch_size"])
+    if arch == "qwen-image-edit":
+        # the noise tokens and one input image's, VAE-encoded at the output's size (model.image_area's default)
+        # and packed alike, along the sequence (a Plus run with K images has K of them)
+        return 2 * shape.latent_frames * (shape.latent_height // 2) * (shape.latent_width // 2)
     if arch in ("qwen-image", "flux"):
         # Both pack 2x2 latent patches into one token in the pipeline (FLUX's own patch_size is 1).
         return shape.latent_frames * (shape.latent_height // 2) * (shape.latent_width // 2)
-    if arch == "wan":
+    if arch in ("wan", "wan2.2"):
         pt, ph, pw = c["patch_size"]
         return (shape.latent_frames // pt) * (shape.latent_height // ph) * (shape.latent_width // pw)
     p, pt = c["patch_size"], c["patch_size_t"]
@@ -212,7 +249,23 @@ def _hunyuan(c: dict[str, Any], s: int, t: int) -> int:
     return f + _mm(1, d, 2 * d) + _mm(s, d, c["out_channels"] * patch)
 
 
-_FORMULAS = {"qwen-image": _qwen, "flux": _flux, "wan": _wan, "hunyuan-video": _hunyuan}
+def _sd3(c: dict[str, Any], s: int, t: int) -> int:
+    d = c["num_attention_heads"] * c["attention_head_dim"]
+    p, n = c["patch_size"], c["num_layers"]
+    f = _mm(s, c["in_channels"] * p * p, d)  # pos_embed: the patch Conv2d
+    f += _time_embed(d) + _mm(1, c["pooled_projection_dim"], d) + _mm(1, d, d)  # timestep + pooled text
+    f += _mm(t, c["joint_attention_dim"], c["caption_projection_dim"])  # context_embedder
+    for i in range(n):
+        dual, last = i in c["dual_attention_layers"], i == n - 1  # MMDiT-X's second attention; context_pre_only
+        f += _mm(1, d, 9 * d if dual else 6 * d) + _mm(1, d, 2 * d if last else 6 * d)  # norm1, norm1_context
+        f += _mm(s + t, d, 3 * d) + _sdpa(s + t, s + t, d) + _mm(s if last else s + t, d, d)  # joint attention
+        f += (_mm(s, d, 4 * d) + _sdpa(s, s, d)) if dual else 0  # attn2: image-only self-attention
+        f += 2 * _mm(s if last else s + t, d, 4 * d)  # ff (and ff_context but in the last block)
+    return f + _mm(1, d, 2 * d) + _mm(s, d, p * p * c["out_channels"])
+
+
+_FORMULAS = {"qwen-image": _qwen, "qwen-image-edit": _qwen, "flux": _flux, "wan": _wan, "wan2.2": _wan,
+             "hunyuan-video": _hunyuan, "sd3": _sd3}
 
 
 def forward_flops(arch: str, shape: SampleShape, config: dict[str, Any] | None = None, variant: str = "",
@@ -254,6 +307,14 @@ def param_count(arch: str, variant: str = "") -> int:
 
 
 # Meta-counted sizes (FEASIBILITY.md §2; tests/sim/test_sim_flops.py counts them again); no diffusers import.
-_KNOWN_PARAMS = {("qwen-image", "20B"): 20_430_401_088, ("flux", "12B"): 11_901_408_320,
+_KNOWN_PARAMS = {("qwen-image", "20B"): 20_430_401_088,
+                 # Qwen/Qwen-Image-Edit and -2509: Qwen-Image's transformer (the model cards: 20B MMDiT)
+                 ("qwen-image-edit", "edit"): 20_430_401_088, ("qwen-image-edit", "edit-plus"): 20_430_401_088,
+                 ("flux", "12B"): 11_901_408_320,
                  ("wan", "1.3B"): 1_418_996_800, ("wan", "14B"): 14_288_491_584,
-                 ("hunyuan-video", "13B"): 12_821_012_544}
+                 ("hunyuan-video", "13B"): 12_821_012_544,
+                 # parameters only: SD3.5's 2D position table is a persistent buffer besides them (medium 226.5 M,
+                 # large 89.7 M; with it the checkpoints hold 2.47 B and 8.15 B)
+                 ("sd3", "medium"): 2_243_171_520, ("sd3", "large"): 8_056_627_520,
+                 # A14B: both experts (2 x Wan2.1-14B's 14_288_491_584), as a rollout engine holds them
+                 ("wan2.2", "TI2V-5B"): 4_999_787_712, ("wan2.2", "A14B"): 28_576_983_168}

@@ -28,7 +28,7 @@ from dataclasses import dataclass, replace
 from typing import Protocol
 
 from digenrl.errors import ConfigError
-from digenrl.sim.flops import SampleShape, default_variant, forward_flops, param_count, variant_config
+from digenrl.sim.flops import SPATIAL_FACTOR, SampleShape, default_variant, forward_flops, param_count, variant_config
 from digenrl.sim.reward_models import OFF_DEVICE, PUBLISHED, reward_models
 
 __all__ = ["ModelProfile", "ModelSpec", "RewardSpec", "PROFILES", "ARCH_OF_MODEL", "profile", "model_profile", "vae_decode_flops",
@@ -38,17 +38,25 @@ BF16 = 2
 FP32 = 4
 
 # digenrl model names (``model.name``) -> the simulator's architecture / profile names
-ARCH_OF_MODEL = {"qwenimage": "qwen-image", "flux": "flux", "wan21": "wan", "hunyuanvideo": "hunyuan-video"}
-_FAMILY = {"qwen-image": "Qwen-Image", "flux": "FLUX.1", "wan": "Wan2.1", "hunyuan-video": "HunyuanVideo"}
+ARCH_OF_MODEL = {"qwenimage": "qwen-image", "qwenimage_edit": "qwen-image-edit", "flux": "flux", "wan21": "wan",
+                 "wan22": "wan2.2", "hunyuanvideo": "hunyuan-video", "sd3": "sd3"}
+_FAMILY = {"qwen-image": "Qwen-Image", "qwen-image-edit": "Qwen-Image-Edit", "flux": "FLUX.1", "wan": "Wan2.1",
+           "wan2.2": "Wan2.2", "hunyuan-video": "HunyuanVideo", "sd3": "SD3.5"}
 # The pretrained adapters' prompt length when ``model.text_len`` is 0 (models/*.py ``text_len or N``; the
 # memory plan's ``_TEXT_LEN``).
-_TEXT_TOKENS = {"qwen-image": 512, "flux": 512, "wan": 512, "hunyuan-video": 256}
+_TEXT_TOKENS = {"qwen-image": 512, "qwen-image-edit": 1536, "flux": 512, "wan": 512, "wan2.2": 512, "hunyuan-video": 256,
+                "sd3": 128}
+# Tokens the transformer sees before the ``text_len`` ones: SD3.5's 77 CLIP tokens ahead of T5's.
+_FIXED_TEXT_TOKENS = {"sd3": 77}
 # Models whose guidance is true CFG (two passes per step when ``guidance_scale > 1``); FLUX.1-dev and
 # HunyuanVideo are guidance-distilled (one pass with a guidance embedding). As the memory plan's ``_cfg_branches``.
-_TRUE_CFG = ("qwen-image", "wan")
+_TRUE_CFG = ("qwen-image", "qwen-image-edit", "wan", "sd3", "wan2.2")
 # ``models/lora.py`` DEFAULT_LORA_TARGETS as ``lora_params`` names them (Wan2.1: attention only; the MMDiTs:
 # attention and MLPs). The planner passes the memory plan's exact count instead (``plan.fleet.config_profile``).
-_LORA_TARGETS = {"qwen-image": "attn+mlp", "flux": "attn+mlp", "wan": "attn", "hunyuan-video": "attn+mlp"}
+_LORA_TARGETS = {"qwen-image": "attn+mlp", "qwen-image-edit": "attn+mlp", "flux": "attn+mlp", "wan": "attn",
+                 "wan2.2": "attn", "hunyuan-video": "attn+mlp", "sd3": "attn"}
+# Experts that train per variant by default (Wan2.2 A14B: LoRA on both; ``model.train_experts`` otherwise).
+_EXPERTS = {("wan2.2", "A14B"): 2}
 # Presets that build the published architecture (models/full.py): "random" with random weights, "full" meta only.
 _PUBLISHED_PRESETS = ("pretrained", "random", "full")
 
@@ -86,12 +94,14 @@ def lora_params(arch: str, rank: int, targets: str, variant: str = "", layers: i
     c = variant_config(arch, variant, layers)  # raises naming the known architectures and sizes
     d = c["num_attention_heads"] * c["attention_head_dim"]
     per_linear = lambda i, o: rank * (i + o)  # noqa: E731 - A is (r x in), B is (out x r)
-    if arch == "qwen-image":
+    if arch in ("qwen-image", "qwen-image-edit"):
         attn, mlp, layers = 8 * per_linear(d, d), 2 * (per_linear(d, 4 * d) + per_linear(4 * d, d)), c["num_layers"]
         return layers * (attn + (mlp if targets == "attn+mlp" else 0))
-    if arch == "wan":
+    if arch in ("wan", "wan2.2"):  # (one expert's: a Wan2.2 A14B recipe trains one adapter per expert)
         attn, mlp = 8 * per_linear(d, d), per_linear(d, c["ffn_dim"]) + per_linear(c["ffn_dim"], d)
         return c["num_layers"] * (attn + (mlp if targets == "attn+mlp" else 0))
+    if arch == "sd3":  # the joint attention of both streams; the last block has no context output projection
+        return c["num_layers"] * 8 * per_linear(d, d) - per_linear(d, d)
     if arch in ("flux", "hunyuan-video"):
         double = 8 * per_linear(d, d) + (2 * (per_linear(d, 4 * d) + per_linear(4 * d, d)) if targets == "attn+mlp" else 0)
         single = 3 * per_linear(d, d) + (per_linear(d, 4 * d) + per_linear(5 * d, d) if targets == "attn+mlp" else 0)
@@ -108,6 +118,7 @@ _VAE_DECODE_FLOPS: dict[tuple[str, int, int, int], int] = {
     ("hunyuan-video", 14, 60, 60): 298_739_467_468_800,
     # the shipped configs' resolutions (configs/*.toml; qwenimage's 512^2 is the paper's, above)
     ("flux", 1, 64, 64): 2_514_971_787_264,
+    ("sd3", 1, 64, 64): 2_514_971_787_264,  # SD3.5's VAE is FLUX.1's architecture (other scaling factors)
     ("wan", 9, 60, 104): 112_752_200_171_520,
     ("hunyuan-video", 9, 40, 64): 124_870_570_803_200,
 }
@@ -129,7 +140,7 @@ def count_vae_decode_flops(arch: str, shape: SampleShape) -> int:
         elif arch == "hunyuan-video":
             vae = diffusers.AutoencoderKLHunyuanVideo()
             vae.use_tiling = False  # tiling changes memory, not the FLOPs that matter here
-        elif arch == "flux":  # FLUX.1-dev's VAE (black-forest-labs/FLUX.1-dev vae/config.json)
+        elif arch in ("flux", "sd3"):  # FLUX.1-dev's VAE (black-forest-labs/FLUX.1-dev vae/config.json), SD3.5's too
             vae = diffusers.AutoencoderKL(
                 latent_channels=16, block_out_channels=(128, 256, 512, 512),
                 down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
@@ -146,6 +157,8 @@ def count_vae_decode_flops(arch: str, shape: SampleShape) -> int:
 @functools.lru_cache(maxsize=64)
 def vae_decode_flops(arch: str, shape: SampleShape) -> int:
     """Cached VAE decode FLOPs of one sample; counts on the meta device for shapes not in the table."""
+    # A14B decodes with Wan2.1's VAE (TI2V-5B's 48-channel VAE: priced as Wan2.1's, not counted yet)
+    arch = {"wan2.2": "wan", "qwen-image-edit": "qwen-image"}.get(arch, arch)
     key = (arch, shape.latent_frames, shape.latent_height, shape.latent_width)
     if key in _VAE_DECODE_FLOPS:
         return _VAE_DECODE_FLOPS[key]
@@ -290,9 +303,33 @@ PROFILES: dict[str, ModelProfile] = {
     "hunyuan-video": ModelProfile(
         "HunyuanVideo-13B", "hunyuan-video", SampleShape.from_pixels(53, 480, 480, 256), 1, 1,
         param_count("hunyuan-video"), 0.0, _reward_vlm(2.2e9, 2048), "13B"),
+    # flow_grpo pickscore_sd3 / general_ocr_sd3 (config/grpo.py) on SD3.5-Medium: 512^2, true CFG 4.5 in
+    # rollout and training, LoRA r32 on the joint attention (scripts/train_sd3.py), T5 at 128 tokens after 77
+    # CLIP tokens. Text encoders CLIP-L (124 M) + CLIP-G (695 M) + T5-XXL (4.76 B). Reward PickScore (CLIP-H),
+    # counted (reward_models.py).
+    "sd3": ModelProfile(
+        "SD3.5-medium", "sd3", SampleShape.from_pixels(1, 512, 512, 77 + 128), 2, 2,
+        lora_params("sd3", 32, "attn", "medium"), 5.58e9, float(PUBLISHED["pickscore"].flops_per_image), "medium"),
+    # veRL-Omni's Wan2.2 recipe (examples/dancegrpo_trainer/wan22/run_wan22_5b_t2v_hpsv3_v1.sh, TI2V-5B) at
+    # A14B as configs/wan22.toml trains it: 480x832, 9 frames, CFG (4 / 3) = two passes, LoRA r32 on the
+    # attention of both experts (each step runs one 14 B expert), UMT5-XXL (5.7 B) at 512 tokens. Reward
+    # HPSv3 (a Qwen2-VL-7B reward model, ~8.3 B) on one frame: ~1024 tokens, approximated as a VLM forward.
+    "wan2.2": ModelProfile(
+        "Wan2.2-A14B", "wan2.2", SampleShape.from_pixels(9, 480, 832, 512), 2, 2,
+        2 * lora_params("wan2.2", 32, "attn", "A14B"), 5.7e9, _reward_vlm(8.3e9, 1024), "A14B"),
+    # flow_grpo config/grpo.py counting_qwenimage_edit (Qwen/Qwen-Image-Edit): 512^2, 10 steps, true CFG 4, LoRA
+    # (r64 on attention + MLPs, as its Qwen-Image recipe), noise level 1.0. The transformer's sequence holds the
+    # 1024 noise tokens and the input image's 1024 (at the output's size); the text stream holds the instruction
+    # and the input image as Qwen2.5-VL-7B saw it (at 512^2: 324 image tokens), padded to 1536. Reward GenEval
+    # (0.8, an object detector on a server) + image similarity (0.2, CLIP-L image features: 2 images per sample).
+    "qwen-image-edit": ModelProfile(
+        "Qwen-Image-Edit-20B", "qwen-image-edit", SampleShape.from_pixels(1, 512, 512, 1536), 2, 2,
+        lora_params("qwen-image-edit", 64, "attn+mlp", "edit"), 7.6e9, 2.0 * float(PUBLISHED["clipscore"].flops_per_image),
+        "edit"),
 }
 # Each paper recipe's trainable set, to re-derive it at another size: (LoRA rank, targets); rank 0 = full.
-_RECIPE_TRAINING = {"qwen-image": (64, "attn+mlp"), "flux": (0, ""), "wan": (32, "attn"), "hunyuan-video": (0, "")}
+_RECIPE_TRAINING = {"qwen-image": (64, "attn+mlp"), "qwen-image-edit": (64, "attn+mlp"), "flux": (0, ""),
+                    "wan": (32, "attn"), "wan2.2": (32, "attn"), "hunyuan-video": (0, ""), "sd3": (32, "attn")}
 
 
 def profile(name: str, variant: str = "") -> ModelProfile:
@@ -307,7 +344,8 @@ def profile(name: str, variant: str = "") -> ModelProfile:
     if not variant or variant == prof.variant:
         return prof
     rank, targets = _RECIPE_TRAINING[name]
-    trainable = lora_params(prof.arch, rank, targets, variant) if rank else param_count(prof.arch, variant)
+    experts = _EXPERTS.get((prof.arch, variant), 1)
+    trainable = experts * lora_params(prof.arch, rank, targets, variant) if rank else param_count(prof.arch, variant)
     return replace(prof, name=f"{_FAMILY[prof.arch]}-{variant}", variant=variant,
                    recipe=f"the {prof.name} paper recipe", trainable_params=trainable)
 
@@ -336,14 +374,17 @@ def model_profile(m: ModelSpec, trainable_params: int | None = None,
     layers = int(getattr(m, "layers", 0))  # model.layers: a 'random'/'full' model cut to fewer blocks
     try:
         height, width = m.resolution[0], m.resolution[1]
-        shape = SampleShape.from_pixels(m.num_frames, height, width, m.text_len or _TEXT_TOKENS[arch])
+        text = (m.text_len or _TEXT_TOKENS[arch]) + _FIXED_TEXT_TOKENS.get(arch, 0)
+        shape = SampleShape.from_pixels(m.num_frames, height, width, text, SPATIAL_FACTOR.get((arch, variant), 8))
     except ConfigError as exc:
         raise ConfigError(f"model.resolution / model.num_frames: {exc}") from exc
     passes = 2 if arch in _TRUE_CFG and m.guidance_scale > 1.0 else 1
     params = transformer_params or param_count(arch, variant)
     if trainable_params is None:
         lora = m.finetune == "lora"
-        trainable_params = lora_params(arch, m.lora_rank, _LORA_TARGETS[arch], variant, layers) if lora else params
+        trained = {"both": _EXPERTS.get((arch, variant), 1)}.get(getattr(m, "train_experts", "both"), 1)
+        trainable_params = (trained * lora_params(arch, m.lora_rank, _LORA_TARGETS[arch], variant, layers) if lora
+                            else params)
     paper = PROFILES[arch]
     if reward is None:
         reward_flops, recipe = paper.reward_flops, f"from the config, text encoder and reward model as the {paper.name} paper recipe"

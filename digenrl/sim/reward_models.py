@@ -136,6 +136,7 @@ PUBLISHED: dict[str, ClipSpec] = {
 # Where the rewards without a model on the devices run.
 OFF_DEVICE: dict[str, str] = {
     "color": "a few host operations", "shapes": "a few host operations",
+    "edit_consistency": "a few host operations",
     "jpeg_compressibility": "host JPEG encoding", "jpeg_incompressibility": "host JPEG encoding",
     "ocr": "PaddleOCR on the host CPU", "remote": "its own server", "vlm_judge": "its own server",
 }

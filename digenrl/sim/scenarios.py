@@ -103,8 +103,18 @@ _RECIPES = {  # model -> (prompts, G, steps, trained steps)
     "flux": (32, 12, 16, 9),
     "wan": (32, 4, 20, 19),
     "hunyuan-video": (16, 24, 16, 3),
+    # flow_grpo pickscore_sd3 (config/grpo.py): 48 prompts x 24 images per epoch (num_batches_per_epoch 4 x
+    # train_batch_size 9 x 32 GPUs), 10 sampling steps, timestep_fraction 0.99 -> 9 trained
+    "sd3": (48, 24, 10, 9),
+    # veRL-Omni run_wan22_5b_t2v_hpsv3_v1.sh: train_batch_size 64 prompts x rollout.n 8, 10 steps, a 2-step SDE
+    # window (at A14B: PROFILES["wan2.2"])
+    "wan2.2": (64, 8, 10, 2),
+    # flow_grpo counting_qwenimage_edit (config/grpo.py): 32 prompts x 16 images per epoch, 10 steps, no SDE window
+    # (every step but the last trained)
+    "qwen-image-edit": (32, 16, 10, 9),
 }
-_SHORT = {"qwen-image": "qwen", "flux": "flux", "wan": "wan", "hunyuan-video": "hunyuan"}
+_SHORT = {"qwen-image": "qwen", "flux": "flux", "wan": "wan", "hunyuan-video": "hunyuan", "sd3": "sd3",
+          "wan2.2": "wan22", "qwen-image-edit": "qwenedit"}
 
 
 def _paper() -> list[Scenario]:

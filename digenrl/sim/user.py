@@ -3,8 +3,10 @@
 ::
 
     name = "my-cluster"           # optional; default: the file name
-    model = "flux"                # qwen-image | flux | wan | hunyuan-video (or qwenimage, wan21, hunyuanvideo)
-    variant = ""                  # optional: the model's size (wan: "1.3B" | "14B"); "" = the largest
+    model = "flux"                # qwen-image | flux | wan | hunyuan-video | sd3 | wan2.2 | qwen-image-edit (or
+                                  # qwenimage, wan21, hunyuanvideo, wan22, qwenimage_edit)
+    variant = ""                  # optional: the model's size (wan: "1.3B" | "14B"; sd3: "medium" | "large");
+                                  # "" = the largest
     prompts = 32                  # prompts per optimizer step
     group_size = 12
     num_steps = 16
@@ -44,7 +46,7 @@ from digenrl.sim.scenarios import Scenario
 __all__ = ["Pool", "ROLES", "UserScenario", "load_scenario", "fleet_pools", "ARCH_OF_MODEL"]
 
 ROLES = ("rollout", "trainer")
-_ARCHS = ("qwen-image", "flux", "wan", "hunyuan-video")
+_ARCHS = ("qwen-image", "flux", "wan", "hunyuan-video", "sd3", "wan2.2", "qwen-image-edit")
 
 
 @dataclass(frozen=True, slots=True)

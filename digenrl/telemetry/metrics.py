@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 __all__ = ["StepMetrics", "LOSS_KEYS", "PHASE_KEYS", "PARITY_KEYS", "METRIC_KEYS", "MetricsLog", "parity_fields",
-           "parity_warning", "total_drops"]
+           "parity_warning", "total_drops", "expert_fields"]
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +62,8 @@ class StepMetrics:
         dropped_messages: malformed messages the run's endpoints dropped so far (cumulative: the
             coordinator's, and each actor's as of its latest token result); ``dropped``: the same by
             reason (``dropped/<reason>`` in the line, e.g. ``dropped/garbage``). 0 in the colocated loop.
+        rows_by_expert: a mixture-of-experts model (Wan2.2 A14B): the trained rows each expert ran
+            (``rows_by_expert/high``, ``rows_by_expert/low`` in the line); empty for other models.
     """
 
     step: int
@@ -99,16 +101,18 @@ class StepMetrics:
     dropped_messages: int
     rewards: dict[str, float] = field(default_factory=dict)
     dropped: dict[str, int] = field(default_factory=dict)
+    rows_by_expert: dict[str, int] = field(default_factory=dict)
 
     def line(self) -> dict[str, Any]:
         """The flat ``metrics.jsonl`` form."""
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in _MAPS}
         out.update({f"reward/{name}": value for name, value in self.rewards.items()})
         out.update({f"dropped/{reason}": n for reason, n in sorted(self.dropped.items())})
+        out.update({f"rows_by_expert/{label}": n for label, n in self.rows_by_expert.items()})
         return out
 
 
-_MAPS = ("rewards", "dropped")  # flattened into ``<prefix>/<name>`` keys by ``line``
+_MAPS = ("rewards", "dropped", "rows_by_expert")  # flattened into ``<prefix>/<name>`` keys by ``line``
 
 #: Keys every ``metrics.jsonl`` line has, whatever the schedule (``reward/<name>`` and ``dropped/<reason>``
 #: keys follow the config and what was dropped).
@@ -131,6 +135,12 @@ def parity_fields(stats: dict[str, float]) -> dict[str, Any]:
     rows = int(stats.get("parity_rows", 0))
     values = {k: (stats.get(k, 0.0) if rows else None) for k in PARITY_KEYS[1:]}
     return {"parity_rows": rows, **values}
+
+
+def expert_fields(stats: dict[str, float]) -> dict[str, int]:
+    """``rows_by_expert`` from reduced loss stats: ``{"high": rows, "low": rows}`` (``{}`` without experts)."""
+    prefix = "rows_by_expert/"
+    return {k[len(prefix):]: int(v) for k, v in stats.items() if k.startswith(prefix)}
 
 
 def parity_warning(line: dict[str, Any], tolerance: float) -> str | None:

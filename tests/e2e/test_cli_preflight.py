@@ -21,7 +21,8 @@ from digenrl.transport.curve import create_keys
 from digenrl.transport.hosts import interface_addresses
 from digenrl_cli.main import app
 
-REAL_CONFIGS = ["configs/qwenimage.toml", "configs/flux.toml", "configs/wan21.toml", "configs/hunyuanvideo.toml"]
+REAL_CONFIGS = ["configs/qwenimage.toml", "configs/flux.toml", "configs/wan21.toml", "configs/hunyuanvideo.toml",
+                "configs/wan22.toml", "configs/sd3.toml", "configs/qwenimage_edit.toml"]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only message")
@@ -43,7 +44,7 @@ def test_missing_weights_directory_is_named(config: str, tmp_path) -> None:
 
 
 # The multi-node configs ship a placeholder for node 0's address: it must be set (to one of this host's).
-PLACEHOLDER_CONFIGS = ["configs/wan21.toml", "configs/hunyuanvideo.toml"]
+PLACEHOLDER_CONFIGS = ["configs/wan21.toml", "configs/hunyuanvideo.toml", "configs/wan22.toml"]
 
 
 @pytest.fixture(scope="module")

@@ -107,6 +107,9 @@ class OracleCase:
         load: extra ``load_model`` keyword arguments (seed 0 and preset ``tiny`` are fixed).
         num_steps: denoising steps of the ODE comparison.
         resolution: the other ``(height, width)`` the sigma check uses (dynamic shift depends on it).
+        label: the test id when one adapter has several cases (a variant), else ``name``.
+        prompts: the prompts encoded (an edit model's carry input images; ``stock_kwargs`` passes them on).
+        sigma_steps: the step counts :func:`check_sigmas` compares (fewer where each stock call is costly).
     """
 
     name: str
@@ -121,9 +124,12 @@ class OracleCase:
     load: dict[str, Any] = field(default_factory=dict)
     num_steps: int = 3
     resolution: tuple[int, int] = (48, 80)
+    label: str = ""
+    prompts: tuple[str, ...] = PROMPTS
+    sigma_steps: tuple[int, ...] = (1, 2, 10, 28, 50)
 
     def __str__(self) -> str:
-        return self.name
+        return self.label or self.name
 
 
 @functools.cache
@@ -136,19 +142,27 @@ def tiny_model(case: OracleCase, **overrides: Any) -> Any:
     return _load(case.name, tuple(sorted({**case.load, **overrides}.items())))
 
 
+def networks(pipe: Any) -> list[torch.nn.Module]:
+    """The denoising networks of a pipeline: ``transformer``, and ``transformer_2`` where it has one (Wan2.2
+    A14B's low-noise expert)."""
+    return [n for n in (pipe.transformer, getattr(pipe, "transformer_2", None)) if n is not None]
+
+
 @contextlib.contextmanager
-def recording_inputs(transformer: torch.nn.Module) -> Iterator[list[dict[str, torch.Tensor]]]:
-    """Every transformer call's ``timestep``/``guidance`` keyword inputs, in call order, while the block runs."""
+def recording_inputs(transformers: list[torch.nn.Module]) -> Iterator[list[dict[str, torch.Tensor]]]:
+    """Every call's ``timestep``/``guidance`` keyword inputs to any of ``transformers``, in call order, while
+    the block runs."""
     calls: list[dict[str, torch.Tensor]] = []
 
     def hook(module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
         calls.append({k: kwargs[k].detach().clone() for k in _RECORDED if isinstance(kwargs.get(k), torch.Tensor)})
 
-    handle = transformer.register_forward_pre_hook(hook, with_kwargs=True)
+    handles = [t.register_forward_pre_hook(hook, with_kwargs=True) for t in transformers]
     try:
         yield calls
     finally:
-        handle.remove()
+        for handle in handles:
+            handle.remove()
 
 
 def _step_inputs(calls: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
@@ -175,7 +189,7 @@ def adapter_trajectory(model: Any, x0: torch.Tensor, cond: Cond, num_steps: int
     states, inputs = [x0.float()], []
     gen = torch.Generator().manual_seed(0)  # drawn and multiplied by a zero std: only keeps the global RNG alone
     for i in range(num_steps):
-        with recording_inputs(model.transformer) as calls:
+        with recording_inputs(networks(model.pipe) if hasattr(model, "pipe") else [model.transformer]) as calls:
             out = rollout_steps(model.velocity, states[-1], cond, sigmas, plan, i, i + 1, noise_level=0.0,
                                 kind="sde", generator=gen)
         states.append(out.x)
@@ -191,7 +205,7 @@ def stock_trajectory(case: OracleCase, model: Any, x0: torch.Tensor, cond: Cond,
     pipe.set_progress_bar_config(disable=True)
     states, inputs = [x0.float()], []
 
-    with recording_inputs(pipe.transformer) as calls:
+    with recording_inputs(networks(pipe)) as calls:
         def on_step_end(p: Any, i: int, t: Any, kw: dict[str, Any]) -> dict[str, Any]:
             states.append(case.to_adapter(model, kw["latents"]).float().clone())
             inputs.append(_step_inputs(calls))
@@ -225,8 +239,8 @@ def run_ode(case: OracleCase, model: Any | None = None, num_steps: int | None = 
     """Both ODE trajectories of ``case`` from one seeded ``x_0`` and the prompt embeddings of :data:`PROMPTS`."""
     model = tiny_model(case) if model is None else model
     n = case.num_steps if num_steps is None else num_steps
-    cond = model.encode_prompts(list(PROMPTS))
-    x0 = model.prepare_latents(len(PROMPTS), torch.Generator().manual_seed(1234))
+    cond = model.encode_prompts(list(case.prompts))
+    x0 = model.prepare_latents(len(case.prompts), torch.Generator().manual_seed(1234))
     ours, our_inputs = adapter_trajectory(model, x0, cond, n)
     theirs, their_inputs, pipe = stock_trajectory(case, model, x0, cond, n)
     return OdeResult(ours, theirs, our_inputs, their_inputs, pipe)
@@ -262,7 +276,7 @@ def stock_sigmas(case: OracleCase, model: Any, num_steps: int) -> torch.Tensor:
         p._interrupt = True  # diffusers' documented early stop: the loop skips the remaining steps
         return {}
 
-    cond = model.encode_prompts(list(PROMPTS[:1]))
+    cond = model.encode_prompts(list(case.prompts[:1]))
     x0 = model.prepare_latents(1, torch.Generator().manual_seed(0))
     # np.errstate: a schedule the scheduler cannot make comes out NaN (check_sigmas looks), not as a warning
     try:
@@ -276,12 +290,13 @@ def stock_sigmas(case: OracleCase, model: Any, num_steps: int) -> torch.Tensor:
     return seen[0]
 
 
-def check_sigmas(case: OracleCase, steps: tuple[int, ...] = (1, 2, 10, 28, 50)) -> None:
-    """Assert ``model.sigmas(n) == scheduler.sigmas`` after the stock ``set_timesteps``, bitwise, for ``steps`` at two
-    resolutions; where the stock schedule is not finite, assert ``model.sigmas(n)`` raises ``ValueError`` instead."""
+def check_sigmas(case: OracleCase) -> None:
+    """Assert ``model.sigmas(n) == scheduler.sigmas`` after the stock ``set_timesteps``, bitwise, for
+    ``case.sigma_steps`` at two resolutions; where the stock schedule is not finite, assert ``model.sigmas(n)``
+    raises ``ValueError`` instead."""
     h, w = case.resolution
     for model in (tiny_model(case), tiny_model(case, resolution=(h, w))):
-        for n in steps:
+        for n in case.sigma_steps:
             theirs = stock_sigmas(case, model, n)
             if not bool(torch.isfinite(theirs).all()):
                 # a step count the stock schedule cannot do (Qwen-Image's shift_terminal at 1 step gives NaN):

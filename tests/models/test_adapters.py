@@ -10,11 +10,26 @@ from digenrl.models import MODEL_NAMES, GeneratorModel, decode_in_chunks, load_m
 from tests.conftest import gpu_test
 
 PROMPTS = ["a red cat", "two dogs playing in the snow"]
+
+
+def prompts_for(name: str) -> list[str]:
+    """:data:`PROMPTS`, as edit prompts on the shipped example images for an edit model (they need input images)."""
+    if name != "qwenimage_edit":
+        return PROMPTS
+    from pathlib import Path
+
+    from digenrl.data.prompts import edit_prompt
+
+    root = Path(__file__).resolve().parents[2] / "examples" / "edit"
+    return [edit_prompt(p, [str(root / img)]) for p, img in zip(PROMPTS, ("red_square.png", "green_circle.png"))]
 TINY_LATENTS = {
     "qwenimage": (16, 64),
+    "qwenimage_edit": (16, 64),
     "flux": (16, 16),
     "wan21": (16, 1, 8, 8),
+    "wan22": (16, 1, 8, 8),  # A14B: Wan2.1's VAE under both experts
     "hunyuanvideo": (4, 1, 8, 8),
+    "sd3": (16, 8, 8),  # the VAE latent itself; the transformer patchifies inside
 }
 
 _cache: dict[str, GeneratorModel] = {}
@@ -31,7 +46,7 @@ def test_tiny_encode_prepare_velocity_decode(name):
     m = tiny(name)
     assert isinstance(m, GeneratorModel) and m.name == name
     assert m.latent_shape == TINY_LATENTS[name]
-    cond = m.encode_prompts(PROMPTS)
+    cond = m.encode_prompts(prompts_for(name))
     assert all(v.shape[0] == 2 for v in cond.values())
     x = m.prepare_latents(2, torch.Generator().manual_seed(0))
     assert x.shape == (2, *m.latent_shape) and x.dtype == torch.float32
@@ -49,7 +64,7 @@ def test_tiny_encode_prepare_velocity_decode(name):
 def test_per_row_sigma_equals_rows_computed_alone(name):
     """TSP packs rows at different noise levels into one call: each row must equal its solo call."""
     m = tiny(name)
-    cond = m.encode_prompts(PROMPTS)
+    cond = m.encode_prompts(prompts_for(name))
     x = m.prepare_latents(2, torch.Generator().manual_seed(1))
     sigma = torch.tensor([0.95, 0.2])
     with torch.no_grad():
@@ -65,6 +80,10 @@ def _direct(m, x, sigma, cond):
     """The plain conditional transformer call, written from the diffusers pipelines' own inputs."""
     tr = m.pipe.transformer
     b = x.shape[0]
+    if m.name == "qwenimage_edit":  # the input image's tokens after the noise tokens; the velocity is the noise part
+        return tr(hidden_states=torch.cat([x, cond["image_latents"]], 1), timestep=sigma,
+                  encoder_hidden_states=cond["prompt_embeds"], encoder_hidden_states_mask=cond["prompt_mask"],
+                  img_shapes=[[(1, 4, 4), (1, 4, 4)]] * b, return_dict=False)[0][:, :x.shape[1]]
     if m.name == "qwenimage":
         return tr(hidden_states=x, timestep=sigma, encoder_hidden_states=cond["prompt_embeds"],
                   encoder_hidden_states_mask=cond["prompt_mask"], img_shapes=[[(1, 4, 4)]] * b, return_dict=False)[0]
@@ -73,9 +92,20 @@ def _direct(m, x, sigma, cond):
         return tr(hidden_states=x, timestep=sigma, guidance=torch.full((b,), m.guidance_scale),
                   pooled_projections=cond["pooled_embeds"], encoder_hidden_states=cond["prompt_embeds"],
                   txt_ids=torch.zeros(cond["prompt_embeds"].shape[1], 3), img_ids=ids, return_dict=False)[0]
+    if m.name == "wan22":  # each expert on its rows: transformer where t >= boundary_ratio * 1000, else transformer_2
+        out = torch.empty_like(x)
+        for k, name in enumerate(m.experts):
+            rows = (m.expert_of(sigma) == k).nonzero().flatten()
+            if rows.numel():
+                out[rows] = getattr(m.pipe, name)(hidden_states=x[rows], timestep=sigma[rows] * 1000,
+                                                  encoder_hidden_states=cond["prompt_embeds"][rows], return_dict=False)[0]
+        return out
     if m.name == "wan21":
         return tr(hidden_states=x, timestep=sigma * 1000, encoder_hidden_states=cond["prompt_embeds"],
                   return_dict=False)[0]
+    if m.name == "sd3":
+        return tr(hidden_states=x, timestep=sigma * 1000, encoder_hidden_states=cond["prompt_embeds"],
+                  pooled_projections=cond["pooled_embeds"], return_dict=False)[0]
     return tr(hidden_states=x, timestep=sigma * 1000, encoder_hidden_states=cond["prompt_embeds"],
               encoder_attention_mask=cond["prompt_mask"], pooled_projections=cond["pooled_embeds"],
               guidance=torch.full((b,), 1000.0 * m.guidance_scale), return_dict=False)[0]
@@ -84,12 +114,12 @@ def _direct(m, x, sigma, cond):
 @pytest.mark.parametrize("name", MODEL_NAMES)
 def test_guidance_one_is_plain_conditional_output(name):
     m = tiny(name)
-    cond = m.encode_prompts(PROMPTS)
+    cond = m.encode_prompts(prompts_for(name))
     x = m.prepare_latents(2, torch.Generator().manual_seed(2))
     sigma = torch.tensor([0.8, 0.35])
     old = m.guidance_scale
     try:
-        if name in ("qwenimage", "wan21"):  # true CFG models: scale 1 = conditional branch only
+        if name in ("qwenimage", "qwenimage_edit", "wan21", "wan22", "sd3"):  # true CFG models: scale 1 = conditional branch only
             m.guidance_scale = 1.0
         with torch.no_grad():
             v = m.velocity(x, sigma, cond)
@@ -191,7 +221,7 @@ def test_bf16_forward_close_to_fp32():
 @pytest.mark.parametrize("name", MODEL_NAMES)
 def test_small_preset_runs(name):
     m = load_model(name, "small", seed=0)
-    cond = m.encode_prompts(PROMPTS[:1])
+    cond = m.encode_prompts(prompts_for(name)[:1])
     x = m.prepare_latents(1)
     with torch.no_grad():
         v = m.velocity(x, torch.tensor([0.5]), cond)
@@ -205,7 +235,7 @@ def test_default_lora_targets_start_at_reference(name):
     from digenrl.models.lora import DEFAULT_LORA_TARGETS, apply_lora, reference
 
     m = load_model(name, "tiny", seed=0)
-    cond = m.encode_prompts(PROMPTS)
+    cond = m.encode_prompts(prompts_for(name))
     x = m.prepare_latents(2, torch.Generator().manual_seed(7))
     sigma = torch.tensor([0.9, 0.4])
     with torch.no_grad():
@@ -230,8 +260,8 @@ def test_cuda_bf16_close_to_cpu_fp32(name):
     x = cpu.prepare_latents(2, torch.Generator().manual_seed(8))
     sigma = torch.tensor([0.8, 0.3])
     with torch.no_grad():
-        ref = cpu.velocity(x, sigma, cpu.encode_prompts(PROMPTS))
-        out = gpu.velocity(x.cuda(), sigma.cuda(), gpu.encode_prompts(PROMPTS)).cpu()
+        ref = cpu.velocity(x, sigma, cpu.encode_prompts(prompts_for(name)))
+        out = gpu.velocity(x.cuda(), sigma.cuda(), gpu.encode_prompts(prompts_for(name))).cpu()
     assert out.dtype == torch.float32 and torch.isfinite(out).all()
     assert (out - ref).norm() / ref.norm() < 0.05
     assert gpu.decode(x.cuda()).shape[0] == 2

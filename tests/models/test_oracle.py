@@ -3,7 +3,7 @@
 With the ``tiny`` presets (random weights, seed 0), the adapter's ODE (``rollout_steps`` with noise level 0
 on every step) from given ``x_0`` and prompt embeddings equals ``pipe.__call__(latents=x_0,
 prompt_embeds=..., output_type="latent")`` after every one of 3 steps, with the model's guidance passed the
-pipeline's way: true CFG for Qwen-Image (with its norm rescale) and Wan2.1, the guidance embedding for FLUX.1
+pipeline's way: true CFG for Qwen-Image (with its norm rescale), Wan2.1 and SD3.5, the guidance embedding for FLUX.1
 and HunyuanVideo. The transformer sees the same timestep and guidance values on every step, and
 ``model.sigmas(n)`` is bitwise the scheduler's sigmas after the pipeline's own ``set_timesteps`` (its ``mu`` /
 ``shift``). Machinery and how to add an adapter: ``tests/models/_oracle.py``.
@@ -13,14 +13,22 @@ Tolerances (latents reach |x| ~ 4.5; one fp32 ulp there is 4.8e-7):
 * FLUX.1, HunyuanVideo: bitwise. One batch, one forward per step, the same timestep tensor values (the FLUX
   pipeline's ``(1000·sigma)/1000`` rounds back to ``sigma`` exactly for these sigmas, checked per step as a
   transformer input), and ``sde_step`` at ``a = 0`` is the scheduler's ``x + (sigma_next − sigma)·v`` op for op.
+* SD3.5: bitwise. The stock pipeline also runs both CFG branches as one ``2B``-row forward, negative rows first,
+  which the adapter does in the same order; the timestep is the scheduler's fp32 ``1000·sigma`` in both.
 * Qwen-Image: 1e-5 (measured 1.5e-6). The adapter runs both CFG branches as one ``2B``-row forward, the
   pipeline as two ``B``-row forwards; matmuls of another shape round differently (~5e-7 per branch, measured),
   and ``v_u + w (v_c − v_u)`` (w = 4) multiplies that by up to 2w − 1 = 7 before the norm rescale.
 * Wan2.1: 1e-5 (measured 2.9e-6), after two documented differences, see :func:`_wan_first_order`.
+* Qwen-Image-Edit / -Plus: 1e-5 (measured 1.5e-6 / 1.4e-6), Qwen-Image's batched CFG; the stock pipelines get the
+  input image(s) as PIL (``image=``) and VAE-encode them at 1024², so the adapter runs with ``image_area = 1024²``
+  (4096 image tokens beside the 16 noise tokens); Plus with two input images, batch 1 (its pipeline's limit).
+* Wan2.2 (same differences): A14B 1e-5 (measured 1.2e-6) over 4 steps, two on each expert (each with its own
+  CFG scale, 4 and 3); TI2V-5B 1e-5 (measured 1.7e-6), where the stock pipeline feeds one timestep per token.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -53,9 +61,20 @@ def _wan(m: Any, c: dict[str, torch.Tensor]) -> dict[str, Any]:
                 guidance_scale=m.guidance_scale, num_frames=m.num_frames)
 
 
+def _wan22(m: Any, c: dict[str, torch.Tensor]) -> dict[str, Any]:
+    # each expert's own CFG scale (a one-transformer pipeline refuses guidance_scale_2)
+    return dict(_wan(m, c), guidance_scale_2=m.guidance_scale_2) if m.boundary_ratio is not None else _wan(m, c)
+
+
 def _hunyuan(m: Any, c: dict[str, torch.Tensor]) -> dict[str, Any]:
     return dict(prompt_embeds=c["prompt_embeds"], prompt_attention_mask=c["prompt_mask"],
                 pooled_prompt_embeds=c["pooled_embeds"], guidance_scale=m.guidance_scale, num_frames=m.num_frames)
+
+
+def _sd3(m: Any, c: dict[str, torch.Tensor]) -> dict[str, Any]:
+    return dict(prompt_embeds=c["prompt_embeds"], pooled_prompt_embeds=c["pooled_embeds"],
+                negative_prompt_embeds=c["negative_embeds"], negative_pooled_prompt_embeds=c["negative_pooled_embeds"],
+                guidance_scale=m.guidance_scale)
 
 
 def _first_order_unipc(config: Any, num_steps: int, *, float_timesteps: bool) -> Any:
@@ -91,6 +110,27 @@ def _wan_first_order(m: Any, num_steps: int, *, float_timesteps: bool = True) ->
     return with_scheduler(m.pipe, _first_order_unipc(m.pipe.scheduler.config, num_steps, float_timesteps=float_timesteps))
 
 
+def _edit_inputs(*names: str) -> tuple[list[Any], tuple[str, ...]]:
+    """The shipped example input images ``names`` (PIL) and edit prompts carrying them (the edit oracle cases)."""
+    from PIL import Image
+
+    from digenrl.data.prompts import edit_prompt
+
+    paths = [str(Path(__file__).resolve().parents[2] / "examples" / "edit" / n) for n in names]
+    images = [Image.open(p).convert("RGB") for p in paths]
+    if len(names) == 1:  # QwenImageEditPipeline takes one image for the batch: two prompts of different lengths
+        return images, (edit_prompt("make the square blue", paths), edit_prompt("turn it into a circle at noon", paths))
+    return images, (edit_prompt("put the circle of picture 2 into picture 1", paths),)  # the Plus pipeline: batch 1
+
+
+_EDIT_IMAGES, _EDIT_PROMPTS = _edit_inputs("red_square.png")
+_PLUS_IMAGES, _PLUS_PROMPTS = _edit_inputs("red_square.png", "green_circle.png")
+
+
+def _qwenimage_edit(m: Any, c: dict[str, torch.Tensor]) -> dict[str, Any]:
+    return dict(_qwenimage(m, c), image=_PLUS_IMAGES if m.plus else _EDIT_IMAGES[0])
+
+
 _BATCHED_CFG = ("the adapter's one 2B-row CFG forward rounds unlike the pipeline's two B-row forwards "
                 "(~5e-7 per branch), amplified up to (2w - 1)x by the CFG combination")
 
@@ -99,7 +139,23 @@ CASES = [
     OracleCase("flux", stock_kwargs=_flux),
     OracleCase("wan21", stock_kwargs=_wan, stock_pipeline=_wan_first_order, atol=1e-5,
                why=_BATCHED_CFG + "; UniPC's order-1 step in log space (see _wan_first_order)"),
+    # Wan2.2 A14B: 4 steps, sigmas 1, .90 (high-noise expert, CFG 4) | .75, .50 (low-noise expert, CFG 3)
+    OracleCase("wan22", stock_kwargs=_wan22, stock_pipeline=_wan_first_order, atol=1e-5, num_steps=4,
+               why=_BATCHED_CFG + "; UniPC's order-1 step in log space (see _wan_first_order)"),
+    # TI2V-5B: expand_timesteps, the pipeline feeds one timestep per token where the adapter feeds one per row
+    OracleCase("wan22", stock_kwargs=_wan22, stock_pipeline=_wan_first_order, atol=1e-5, label="wan22-TI2V-5B",
+               load={"variant": "TI2V-5B"}, resolution=(64, 96),
+               why=_BATCHED_CFG + "; UniPC's order-1 step in log space; per-token vs per-row time embedding"),
     OracleCase("hunyuanvideo", stock_kwargs=_hunyuan),
+    OracleCase("sd3", stock_kwargs=_sd3),
+    # Qwen-Image-Edit(-Plus): the pipelines VAE-encode every input image at 1024² (4096 tokens at 8x) whatever the
+    # output size; image_area = 1024² makes the adapter's conditioning images the same size. That costs ~4 s a
+    # stock call on CPU (Plus, two images: ~9 s), so the sigma check compares two step counts, Plus one (the schedule
+    # is Qwen-Image's, checked above at five)
+    OracleCase("qwenimage_edit", stock_kwargs=_qwenimage_edit, atol=1e-5, why=_BATCHED_CFG,
+               load={"image_area": 1024 * 1024}, prompts=_EDIT_PROMPTS, sigma_steps=(2, 28)),
+    OracleCase("qwenimage_edit", stock_kwargs=_qwenimage_edit, atol=1e-5, why=_BATCHED_CFG, label="qwenimage_edit-plus",
+               load={"image_area": 1024 * 1024, "variant": "edit-plus"}, prompts=_PLUS_PROMPTS, sigma_steps=(28,)),
 ]
 
 

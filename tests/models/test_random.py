@@ -109,7 +109,7 @@ def test_host_draws_are_seeded_and_independent_of_dtype() -> None:
     assert torch.get_default_dtype() == torch.float32
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", [*NAMES, "sd3"])  # sd3's real-size builds: tests/models/test_sd3.py
 def test_random_embeds_give_the_adapters_cond(name: str) -> None:
     """The tiny preset's adapter with its text encoders vs. with random features: the same keys, shapes, dtypes."""
     guidance = {"qwenimage": 4.0, "wan21": 4.5}.get(name)  # CFG on: the negative branch too

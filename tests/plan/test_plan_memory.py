@@ -138,3 +138,15 @@ def test_linear_traces_equal_exact_traces() -> None:
     for rows in (5, 12):
         assert linear.train(rows) == exact.train(rows)
         assert linear.forward(rows) == exact.forward(rows)
+
+
+def test_sd3_config_plans_sd35_medium_at_real_size(tmp_path: Path) -> None:
+    """configs/sd3.toml: SD3.5 Medium's parameters (2.243 B; its checkpoint also holds the 0.227 B position table,
+    tests/models/test_full.py) and its three text encoders (CLIP-L, CLIP-G, T5-XXL), fitting an H100."""
+    out = tmp_path / "plan.json"
+    res = CliRunner().invoke(app, ["plan", str(CONFIGS / "sd3.toml"), "--json", str(out)])
+    assert res.exit_code == 0, res.output
+    plan = json.loads(out.read_text())
+    assert plan["model"]["transformer_params"] == 2_243_171_520 and plan["model"]["variant"] == "medium"
+    assert abs(plan["model"]["text_encoder_params"] / 5.58e9 - 1) < 0.01
+    assert all(plan["roles"][role]["fits"] for role in ("rollout", "trainer"))

@@ -48,3 +48,21 @@ def test_depth_extrapolation_equals_the_full_trace(name: str, checkpointing: boo
 
     full = trace_pass(name, tr, make(tr), train=True, checkpointing=checkpointing)
     assert trace_extrapolated(name, tr, make, train=True, checkpointing=checkpointing) == pytest.approx(full, rel=0.01)
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+@pytest.mark.parametrize("dual", [(), (0, 1, 2)], ids=["mmdit", "mmdit-x"])
+def test_sd3_depth_extrapolation_equals_the_full_trace(dual: tuple, checkpointing: bool) -> None:
+    """SD3.5 Large's plain stack, and Medium's (MMDiT-X) dual-attention blocks first, then plain ones."""
+    from diffusers import SD3Transformer2DModel
+
+    with torch.device("meta"):
+        tr = SD3Transformer2DModel(num_layers=6, attention_head_dim=32, num_attention_heads=4, joint_attention_dim=64,
+                                   caption_projection_dim=128, pooled_projection_dim=32, pos_embed_max_size=16,
+                                   dual_attention_layers=dual, qk_norm="rms_norm").to(torch.bfloat16)
+
+    def make(t: torch.nn.Module) -> dict:
+        return transformer_inputs("sd3", t, 3, 64, 64, 1, 16, torch.bfloat16)
+
+    full = trace_pass("sd3", tr, make(tr), train=True, checkpointing=checkpointing)
+    assert trace_extrapolated("sd3", tr, make, train=True, checkpointing=checkpointing) == pytest.approx(full, rel=0.01)

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
+from digenrl.data.prompts import load_prompts
 from digenrl.models import MODEL_NAMES, load_model, repeat_cond
 from digenrl.models.lora import apply_lora, reference, trainable_parameters
 from digenrl.rl.advantages import group_advantages
@@ -18,8 +21,12 @@ PROMPTS = ["a red square", "a blue circle"]
 G = 2
 
 
+# an edit model's prompts carry their input images (the shipped example's first two)
+EDIT_PROMPTS = load_prompts(prompt_file=str(Path(__file__).parents[2] / "examples/edit/prompts.jsonl"))[:2]
+
+
 def _rollout(model, steps: int = 4, seed: int = 0):  # noqa: ANN001, ANN202
-    cond = repeat_cond(model.encode_prompts(PROMPTS), G)
+    cond = repeat_cond(model.encode_prompts(EDIT_PROMPTS if model.name == "qwenimage_edit" else PROMPTS), G)
     groups = torch.arange(len(PROMPTS)).repeat_interleave(G)
     gen = torch.Generator().manual_seed(seed)
     x0 = model.prepare_latents(len(groups), generator=gen)

@@ -1,0 +1,68 @@
+"""Qwen-Image-Edit in the simulator and the memory plan: the input image's tokens are counted."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils.flop_counter import FlopCounterMode
+
+from digenrl.sim.flops import SampleShape, forward_flops, param_count
+from digenrl.sim.profiles import model_profile, profile
+from digenrl.sim.scenarios import scenario
+
+diffusers = pytest.importorskip("diffusers")
+ROOT = Path(__file__).resolve().parents[2]
+TINY = dict(patch_size=2, in_channels=64, out_channels=16, num_layers=2, attention_head_dim=16, num_attention_heads=4,
+            joint_attention_dim=32, guidance_embeds=False, axes_dims_rope=(8, 4, 4))
+
+
+def test_forward_flops_count_the_input_image_tokens() -> None:
+    """The formula equals FlopCounterMode on a real tiny forward over [noise tokens, image tokens], as the adapter calls it."""
+    shape = SampleShape(1, 8, 8, 7)
+    model = diffusers.QwenImageTransformer2DModel(**TINY).eval()
+    x = torch.randn(1, 2 * 16, 64)  # 4x4 noise tokens, then the input image's 4x4
+    with torch.no_grad(), sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
+        model(hidden_states=x, encoder_hidden_states=torch.randn(1, 7, 32), timestep=torch.ones(1),
+              encoder_hidden_states_mask=torch.ones(1, 7, dtype=torch.bool), img_shapes=[[(1, 4, 4), (1, 4, 4)]])
+    assert forward_flops("qwen-image-edit", shape, TINY) == int(counter.get_total_flops())
+    # at real size: Qwen-Image's forward over twice the image tokens
+    assert forward_flops("qwen-image-edit", SampleShape(1, 64, 64, 1536)) == forward_flops(
+        "qwen-image", SampleShape(1, 64, 128, 1536))
+
+
+def test_param_count_is_the_published_transformer() -> None:
+    """Both variants build Qwen-Image's transformer (models/full.py); the Hugging Face model cards of Qwen/Qwen-Image-Edit
+    and -2509 give 20.4 B parameters (safetensors metadata of the 20B MMDiT)."""
+    from digenrl.models.full import build_full
+
+    for variant in ("edit", "edit-plus"):
+        full = build_full("qwenimage_edit", variant, text_encoders=False)
+        n = sum(p.numel() for p in full.transformer.parameters())
+        assert n == param_count("qwen-image-edit", variant) == 20_430_401_088
+        assert abs(n / 20.4e9 - 1) < 0.005
+
+
+def test_scenarios_and_config_profile() -> None:
+    sc = scenario("qwenedit-16")
+    assert sc.profile is profile("qwen-image-edit") and sc.profile.cfg_rollout == 2
+    from digenrl.config import load_config
+
+    cfg = load_config(ROOT / "configs" / "qwenimage_edit.toml")
+    p = model_profile(cfg.model)
+    assert p.arch == "qwen-image-edit" and p.shape == SampleShape(1, 64, 64, 1536)
+    assert p.forward_flops > forward_flops("qwen-image", SampleShape(1, 64, 64, 1536))
+
+
+def test_memory_plan_traces_the_longer_sequence() -> None:
+    from digenrl.config import load_config
+    from digenrl.plan.memory import memory_plan
+
+    edit = memory_plan(load_config(ROOT / "configs" / "qwenimage_edit.toml"))
+    assert edit.roles and all(r.fits for r in edit.roles.values())
+    t2i = memory_plan(load_config(ROOT / "configs" / "qwenimage_edit.toml",
+                                  ["model.name=qwenimage", "model.variant=''", "data.prompt_set=ocr", "data.prompt_file=''"]))
+    # the same model but for the input image's tokens: they cost activations
+    assert edit.train_activations > t2i.train_activations and edit.rollout_forward > t2i.rollout_forward
