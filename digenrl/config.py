@@ -136,6 +136,9 @@ class ModelConfig:
     guidance_scale_2: float = 0.0
     train_experts: str = "both"
     expert_offload: bool = False
+    # Qwen-Image-Edit: pixels of each conditioning image on the VAE side (models/qwenimage_edit.py); 0 = the
+    # pipelines' 1024² whatever the output size (the tiny presets: the output's area).
+    image_area: int = 0
 
     def experts(self) -> dict[str, object]:
         """The Wan2.2 expert arguments of ``load_model`` (``{}`` for every other model)."""
@@ -183,6 +186,9 @@ class ModelConfig:
                                         ("expert_offload", self.expert_offload, False),
                                         ("guidance_scale_2", self.guidance_scale_2, 0.0)):
                 _check(f"model.{key}", value == default, f"{default!r} (only wan22 has two experts)", value)
+        _check("model.image_area", self.image_area >= 0, ">= 0 (0 = the pipelines' 1024²)", self.image_area)
+        _check("model.image_area", self.image_area == 0 or self.name == "qwenimage_edit",
+               "0 (only qwenimage_edit has conditioning images)", self.image_area)
         _check("model.text_encoder", self.text_encoder == "model" or self.preset == "random",
                "'model' unless model.preset = 'random'", self.text_encoder)
         _check("model.layers", self.layers == 0 or self.preset in ("random", "full"),

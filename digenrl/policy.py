@@ -48,7 +48,8 @@ def _build_model(cfg: Config) -> tuple[GeneratorModel, list[torch.nn.Parameter]]
                        resolution=(m.resolution[0], m.resolution[1]),
                        num_frames=m.num_frames if m.name in ("wan21", "wan22", "hunyuanvideo") else None,
                        guidance_scale=m.guidance_scale, text_len=m.text_len or None, variant=m.variant,
-                       layers=m.layers, text_encoder=m.text_encoder, experts=m.experts())
+                       layers=m.layers, text_encoder=m.text_encoder, experts=m.experts(),
+                       image_area=(m.image_area or None) if m.name == "qwenimage_edit" else None)
     if m.init:  # a pretrained checkpoint of the random preset (the default: the tiny model that draws shapes)
         load_init(model, m.init)
     if m.vae_init == "signal":  # random toy presets: make pixels depend on the latent and the prompt

@@ -19,9 +19,10 @@ plus ``image_latents`` ``[B, K·T_img, 64]``, so the trainer stores and replays 
 it does the text's (``index_cond``/``cat_cond``/``repeat_cond`` work row-wise on every key). Its sizes are
 fixed per run: every image is resized (Lanczos, stretching, the pipelines' ``VaeImageProcessor``) to one
 size, :func:`image_size` of ``image_area`` at the output's aspect. The pipelines use 1024² for the VAE
-images whatever the output size (and the input image's own aspect); ``image_area`` defaults to the output's
-area, which is the pipelines' choice at the models' native 1024x1024 (the shipped config's resolution) and
-keeps tiny runs tiny. The Plus pipeline's text-encoder images are 384² (``CONDITION_IMAGE_SIZE``), as here.
+images whatever the output size (at the input image's own aspect, which here is the output's), and so does
+this adapter for the published models (``model.image_area`` = 0, :func:`conditioning_area`): a 512² run, as
+flow_grpo's recipe, conditions on 4096 image tokens beside its 1024 noise tokens, as the stock pipeline does.
+The tiny presets condition at the output's area (tiny runs stay tiny). The Plus pipeline's text-encoder images are 384² (``CONDITION_IMAGE_SIZE``), as here.
 
 Variants (``model.variant``): ``"edit"`` (one input image, ``QwenImageEditPipeline``; the default) and
 ``"edit-plus"`` (``K >= 1`` images, ``QwenImageEditPlusPipeline``). Both share Qwen-Image's 20B transformer
@@ -60,13 +61,22 @@ from digenrl.models.base import Cond, cat_cond
 from digenrl.models.qwenimage import (NEGATIVE_PROMPT, QWEN_SCHEDULER_CONFIG, QwenImageModel, build_qwenimage_pipeline,
                                       qwen_true_cfg)
 
-__all__ = ["QwenImageEditModel", "EDIT_VARIANTS", "image_size", "prompt_inputs", "build_qwenimage_edit_pipeline"]
+__all__ = ["QwenImageEditModel", "EDIT_VARIANTS", "VAE_IMAGE_AREA", "conditioning_area", "image_size", "prompt_inputs", "build_qwenimage_edit_pipeline"]
 
 EDIT_VARIANTS: tuple[str, ...] = ("edit-plus", "edit")  # "" = the last: "edit"
 CONDITION_IMAGE_AREA = 384 * 384  # QwenImageEditPlusPipeline's text-encoder image size
+VAE_IMAGE_AREA = 1024 * 1024  # both pipelines' VAE (latent conditioning) image size, whatever the output's
 _TINY_VL_PIXELS = 112 * 112  # the tiny processor's max_pixels: at most 4x4 merged image tokens
 _REAL_VL_PIXELS = 28 * 28 * 1280  # Qwen2VLImageProcessor's default max_pixels
 _PIPELINE_DROP = 64  # QwenImageEdit(Plus)Pipeline.prompt_template_encode_start_idx (system-prompt tokens, real vocabulary)
+
+
+def conditioning_area(preset: str, image_area: int, height: int, width: int) -> int:
+    """Pixels of each conditioning image (VAE side): ``image_area`` when set, else the pipelines' 1024² for the
+    published models (presets pretrained, random, full), the output's area for the tiny presets."""
+    if image_area:
+        return image_area
+    return VAE_IMAGE_AREA if preset in ("pretrained", "random", "full") else height * width
 
 
 def image_size(area: int, height: int, width: int) -> tuple[int, int]:
@@ -295,7 +305,8 @@ class QwenImageEditModel(QwenImageModel):
         image_area: int | None = None,
     ) -> QwenImageEditModel:
         """Build the ``tiny``/``small`` preset of ``variant``, load ``pretrained`` weights (offline; the checkpoint's
-        pipeline class decides the variant), or build the published architecture with ``random`` weights."""
+        pipeline class decides the variant), or build the published architecture with ``random`` weights.
+        ``image_area``: pixels of each conditioning image (``None``: :func:`conditioning_area`'s default)."""
         cfg = 4.0 if guidance_scale is None else guidance_scale
         if preset == "pretrained":
             import diffusers
@@ -314,8 +325,10 @@ class QwenImageEditModel(QwenImageModel):
         else:
             pipe = to_device_dtype(build_qwenimage_edit_pipeline(preset, seed, _variant(variant)), device, dtype)
             h, w = resolution or (64, 64)
-            return cls(pipe, height=h, width=w, guidance_scale=cfg, text_len=text_len or 128, image_area=image_area)
+            return cls(pipe, height=h, width=w, guidance_scale=cfg, text_len=text_len or 128,
+                       image_area=conditioning_area(preset, image_area or 0, h, w))
         # real size: the native 1024², and room for the text encoder's image tokens (1369 at 1024², 324 at 512²)
         h, w = resolution or (1024, 1024)
-        return cls(pipe, height=h, width=w, guidance_scale=cfg, text_len=text_len or 1536, image_area=image_area)
+        return cls(pipe, height=h, width=w, guidance_scale=cfg, text_len=text_len or 1536,
+                   image_area=conditioning_area(preset, image_area or 0, h, w))
 

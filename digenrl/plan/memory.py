@@ -364,6 +364,16 @@ def _add_rewards(r: RoleMemory, models: list[RewardModelMemory], on_host: bool, 
         r.reward_models += weights
 
 
+def _conditioning_hw(m: Any) -> tuple[int, int] | None:
+    """Qwen-Image-Edit's conditioning image size in pixels, as the adapter picks it (``None`` for other models)."""
+    if m.name != "qwenimage_edit":
+        return None
+    from digenrl.models.qwenimage_edit import conditioning_area, image_size
+
+    h, w = m.resolution
+    return image_size(conditioning_area(m.preset, m.image_area, h, w), h, w)
+
+
 def _cfg_branches(cfg: Config) -> int:
     """Rows per forward row: true CFG runs both branches in one batch (Qwen-Image, Wan2.1, SD3.5)."""
     true_cfg = ("qwenimage", "qwenimage_edit", "wan21", "wan22", "sd3")
@@ -397,7 +407,8 @@ class Traces:
                 self._memo[key] = trace_decode(m.name, parts.vae, h, w, m.num_frames)
             else:
                 def inputs(tr: torch.nn.Module) -> Any:
-                    return transformer_inputs(m.name, tr, rows, h, w, m.num_frames, self.text_len, self.dtype)
+                    return transformer_inputs(m.name, tr, rows, h, w, m.num_frames, self.text_len, self.dtype,
+                                              cond_hw=_conditioning_hw(m))
 
                 train = kind == "train"
                 self._memo[key] = trace_extrapolated(m.name, parts.transformer, inputs, train=train,

@@ -108,20 +108,22 @@ DEPTH_KEYS: dict[str, tuple[str, ...]] = {
 
 
 def transformer_inputs(name: str, transformer: torch.nn.Module, rows: int, height: int, width: int, frames: int,
-                       text_len: int, dtype: torch.dtype) -> dict[str, Any]:
-    """Meta tensors shaped as the adapters' ``transformer_forward`` passes them for ``rows`` rows."""
+                       text_len: int, dtype: torch.dtype, cond_hw: tuple[int, int] | None = None) -> dict[str, Any]:
+    """Meta tensors shaped as the adapters' ``transformer_forward`` passes them for ``rows`` rows (``cond_hw``:
+    Qwen-Image-Edit's conditioning image size in pixels, default the output's)."""
     c = transformer.config
 
     def empty(*shape: int, dt: torch.dtype = dtype) -> torch.Tensor:
         return torch.empty(*shape, device="meta", dtype=dt)
 
     lat_f, lat_h, lat_w = (frames - 1) // 4 + 1, height // 8, width // 8
-    if name == "qwenimage_edit":  # the noise tokens, then one input image's at the output's size (image_area's default)
-        s = (lat_h // 2) * (lat_w // 2)
-        return dict(hidden_states=empty(rows, 2 * s, c.in_channels), timestep=empty(rows),
+    if name == "qwenimage_edit":  # the noise tokens, then one input image's (packed alike)
+        ch, cw = cond_hw or (height, width)
+        s, s_img = (lat_h // 2) * (lat_w // 2), (ch // 16) * (cw // 16)
+        return dict(hidden_states=empty(rows, s + s_img, c.in_channels), timestep=empty(rows),
                     encoder_hidden_states=empty(rows, text_len, c.joint_attention_dim),
                     encoder_hidden_states_mask=torch.ones(rows, text_len, device="meta", dtype=torch.long),
-                    img_shapes=[[(1, lat_h // 2, lat_w // 2)] * 2] * rows, return_dict=False)
+                    img_shapes=[[(1, lat_h // 2, lat_w // 2), (1, ch // 16, cw // 16)]] * rows, return_dict=False)
     if name == "qwenimage":
         return dict(hidden_states=empty(rows, (lat_h // 2) * (lat_w // 2), c.in_channels), timestep=empty(rows),
                     encoder_hidden_states=empty(rows, text_len, c.joint_attention_dim),

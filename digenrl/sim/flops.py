@@ -21,6 +21,7 @@ test compares them with that module's transformer configs). ``""`` is the larges
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -105,13 +106,16 @@ class SampleShape:
     """What one sample looks like to the transformer.
 
     ``latent_frames``/``latent_height``/``latent_width`` are the VAE latent grid (before patching);
-    ``text_tokens`` is the length of the prompt embedding the transformer attends to.
+    ``text_tokens`` is the length of the prompt embedding the transformer attends to; ``cond_tokens`` the
+    tokens of conditioning images appended to the image tokens (Qwen-Image-Edit's input images,
+    :func:`edit_image_tokens`).
     """
 
     latent_frames: int
     latent_height: int
     latent_width: int
     text_tokens: int
+    cond_tokens: int = 0
 
     @staticmethod
     def from_pixels(frames: int, height: int, width: int, text_tokens: int, spatial: int = 8, temporal: int = 4) -> SampleShape:
@@ -155,15 +159,27 @@ def variant_config(arch: str, variant: str = "", layers: int = 0) -> dict[str, A
     return {**c, **{k: min(layers, c[k]) for k in BLOCK_KEYS[arch]}} if layers else c
 
 
+EDIT_VAE_IMAGE_AREA = 1024 * 1024  # Qwen-Image-Edit pipelines' conditioning image area (models/qwenimage_edit.py)
+
+
+def edit_image_tokens(area: int, height: int, width: int) -> int:
+    """Tokens of one Qwen-Image-Edit conditioning image of ``area`` pixels at the output's aspect: its size rounded
+    to multiples of 32 as the pipelines' ``calculate_dimensions``, 8x VAE, 2x2 packing (16 pixels a side)."""
+    ratio = width / height  # the same operations as the pipelines (and the adapter's image_size): the same rounding
+    w = math.sqrt(area * ratio)
+    h = w / ratio
+    return (round(h / 32) * 32 // 16) * (round(w / 32) * 32 // 16)
+
+
 def tokens(arch: str, shape: SampleShape, config: dict[str, Any] | None = None) -> int:
     """Number of image/video tokens the transformer sees for one sample (after patching/packing)."""
     c = _config(arch, config)
     if arch == "sd3":  # 2x2 patches of the latent, inside the transformer
         return shape.latent_frames * (shape.latent_height // c["patch_size"]) * (shape.latent_width // c["patch_size"])
     if arch == "qwen-image-edit":
-        # the noise tokens and one input image's, VAE-encoded at the output's size (model.image_area's default)
-        # and packed alike, along the sequence (a Plus run with K images has K of them)
-        return 2 * shape.latent_frames * (shape.latent_height // 2) * (shape.latent_width // 2)
+        # the noise tokens, then the input image's, packed alike along the sequence (a Plus run with K images
+        # has K of them; counted: one)
+        return shape.latent_frames * (shape.latent_height // 2) * (shape.latent_width // 2) + shape.cond_tokens
     if arch in ("qwen-image", "flux"):
         # Both pack 2x2 latent patches into one token in the pipeline (FLUX's own patch_size is 1).
         return shape.latent_frames * (shape.latent_height // 2) * (shape.latent_width // 2)

@@ -28,7 +28,8 @@ from dataclasses import dataclass, replace
 from typing import Protocol
 
 from digenrl.errors import ConfigError
-from digenrl.sim.flops import SPATIAL_FACTOR, SampleShape, default_variant, forward_flops, param_count, variant_config
+from digenrl.sim.flops import (EDIT_VAE_IMAGE_AREA, SPATIAL_FACTOR, SampleShape, default_variant, edit_image_tokens,
+                               forward_flops, param_count, variant_config)
 from digenrl.sim.reward_models import OFF_DEVICE, PUBLISHED, reward_models
 
 __all__ = ["ModelProfile", "ModelSpec", "RewardSpec", "PROFILES", "ARCH_OF_MODEL", "profile", "model_profile", "vae_decode_flops",
@@ -319,11 +320,14 @@ PROFILES: dict[str, ModelProfile] = {
         2 * lora_params("wan2.2", 32, "attn", "A14B"), 5.7e9, _reward_vlm(8.3e9, 1024), "A14B"),
     # flow_grpo config/grpo.py counting_qwenimage_edit (Qwen/Qwen-Image-Edit): 512^2, 10 steps, true CFG 4, LoRA
     # (r64 on attention + MLPs, as its Qwen-Image recipe), noise level 1.0. The transformer's sequence holds the
-    # 1024 noise tokens and the input image's 1024 (at the output's size); the text stream holds the instruction
-    # and the input image as Qwen2.5-VL-7B saw it (at 512^2: 324 image tokens), padded to 1536. Reward GenEval
-    # (0.8, an object detector on a server) + image similarity (0.2, CLIP-L image features: 2 images per sample).
+    # 1024 noise tokens and the input image's 4096 (VAE-encoded at 1024², as the pipelines and flow_grpo's
+    # VAE_IMAGE_SIZE); the text stream holds the instruction and the input image as Qwen2.5-VL-7B saw it (1369
+    # image tokens at 1024²), padded to 1536. Reward GenEval (0.8, an object detector on a server) + image
+    # similarity (0.2, CLIP-L image features: 2 images per sample).
     "qwen-image-edit": ModelProfile(
-        "Qwen-Image-Edit-20B", "qwen-image-edit", SampleShape.from_pixels(1, 512, 512, 1536), 2, 2,
+        "Qwen-Image-Edit-20B", "qwen-image-edit",
+        replace(SampleShape.from_pixels(1, 512, 512, 1536), cond_tokens=edit_image_tokens(EDIT_VAE_IMAGE_AREA, 512, 512)),
+        2, 2,
         lora_params("qwen-image-edit", 64, "attn+mlp", "edit"), 7.6e9, 2.0 * float(PUBLISHED["clipscore"].flops_per_image),
         "edit"),
 }
@@ -376,6 +380,9 @@ def model_profile(m: ModelSpec, trainable_params: int | None = None,
         height, width = m.resolution[0], m.resolution[1]
         text = (m.text_len or _TEXT_TOKENS[arch]) + _FIXED_TEXT_TOKENS.get(arch, 0)
         shape = SampleShape.from_pixels(m.num_frames, height, width, text, SPATIAL_FACTOR.get((arch, variant), 8))
+        if arch == "qwen-image-edit":  # the input image's tokens (model.image_area; 0 = the pipelines' 1024²)
+            area = int(getattr(m, "image_area", 0)) or EDIT_VAE_IMAGE_AREA
+            shape = replace(shape, cond_tokens=edit_image_tokens(area, height, width))
     except ConfigError as exc:
         raise ConfigError(f"model.resolution / model.num_frames: {exc}") from exc
     passes = 2 if arch in _TRUE_CFG and m.guidance_scale > 1.0 else 1

@@ -82,7 +82,9 @@ def test_pretrained_round_trip(model, tmp_path: Path) -> None:
     model.save_pretrained(tmp_path / "edit")
     index = json.loads((tmp_path / "edit" / "model_index.json").read_text())
     assert index["_class_name"] == "QwenImageEditPipeline" and index["processor"] == [None, None]
-    again = load_model("qwenimage_edit", "pretrained", path=tmp_path / "edit", resolution=(32, 32), text_len=128)
+    # a loaded model conditions at the pipelines' 1024² unless told otherwise; the tiny one at its output's size
+    again = load_model("qwenimage_edit", "pretrained", path=tmp_path / "edit", resolution=(32, 32), text_len=128,
+                       image_area=32 * 32)
     prompts = [edit_prompt("make the square blue", [RED])]
     c1, c2 = model.encode_prompts(prompts), again.encode_prompts(prompts)
     for k in c1:
@@ -138,6 +140,10 @@ def test_random_preset_builds_the_published_pipeline_with_random_embeds() -> Non
     """Preset ``random`` (one block at the real width, no text encoder): the real pipeline class and byte processor;
     the random prompt features are as long as the instruction plus the image tokens Qwen2.5-VL would read."""
     m = load_model("qwenimage_edit", "random", layers=1, text_encoder="random-embeds", resolution=(32, 32), text_len=64)
+    # the published models condition at the pipelines' 1024² whatever the output size (model.image_area = 0)
+    assert m.image_hw == (1024, 1024) and m.image_tokens == 4096
+    m = load_model("qwenimage_edit", "random", layers=1, text_encoder="random-embeds", resolution=(32, 32), text_len=64,
+                   image_area=32 * 32)
     assert type(m.pipe).__name__ == "QwenImageEditPipeline" and m.pipe.text_encoder is None
     cond = m.encode_prompts([edit_prompt("make it blue", [RED])])
     assert cond["image_latents"].shape == (1, 4, 64) and cond["prompt_embeds"].shape == (1, 64, 3584)
@@ -154,3 +160,5 @@ def test_a_config_without_a_jsonl_prompt_file_is_refused_at_load() -> None:
     ok = config_from_dict({"model": {"name": "qwenimage_edit", "preset": "tiny"},
                            "data": {"prompt_file": str(EXAMPLES / "prompts.jsonl")}})
     assert ok.model.name == "qwenimage_edit"
+    with pytest.raises(ConfigError, match=r"model.image_area: .*only qwenimage_edit"):
+        config_from_dict({"model": {"name": "qwenimage", "image_area": 1024}})
