@@ -188,6 +188,7 @@ def shard_model(model: Any, fp32_master: bool) -> None:
     """
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+    from digenrl.models.experts import ExpertSet
     from digenrl.models.lora import reference_transformer
 
     tr = model.transformer
@@ -199,15 +200,16 @@ def shard_model(model: Any, fp32_master: bool) -> None:
     for module in [tr, reference_transformer(model)]:
         if module is None:
             continue
-        blocks = [b for name in _BLOCK_LISTS for b in getattr(module, name, [])]
-        if not blocks:  # an ExpertSet (Wan2.2 A14B): each expert's blocks
-            blocks = [b for part in module.children() for name in _BLOCK_LISTS for b in getattr(part, name, [])]
-        if not blocks:
-            raise ConfigError(f"train.shard = 'fsdp': {type(module).__name__} has none of the block lists "
-                              f"{_BLOCK_LISTS} to shard; use train.shard = 'ddp'")
-        for block in blocks:
-            fully_shard(block, mp_policy=policy)
-        fully_shard(module, mp_policy=policy)
+        # An ExpertSet (Wan2.2 A14B) has no forward of its own: each expert is a root, whose hooks gather its
+        # embeddings and heads when the adapter calls it on its rows.
+        for root in list(module.children()) if isinstance(module, ExpertSet) else [module]:
+            blocks = [b for name in _BLOCK_LISTS for b in getattr(root, name, [])]
+            if not blocks:
+                raise ConfigError(f"train.shard = 'fsdp': {type(root).__name__} has none of the block lists "
+                                  f"{_BLOCK_LISTS} to shard; use train.shard = 'ddp'")
+            for block in blocks:
+                fully_shard(block, mp_policy=policy)
+            fully_shard(root, mp_policy=policy)
 
 
 # The transformer block lists of the supported diffusers models (Qwen-Image, Wan: transformer_blocks /

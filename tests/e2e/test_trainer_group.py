@@ -94,6 +94,19 @@ async def test_two_fsdp_trainers_make_the_full_finetune_update_of_one(tmp_path: 
     _assert_same_update(one, two, _initial(*full))
 
 
+async def test_two_fsdp_trainers_shard_both_wan22_experts(tmp_path: Path) -> None:
+    """FSDP2 over a mixture of experts (Wan2.2 A14B, tiny): each expert is a root of its own (the ExpertSet that
+    holds them has no forward), and two trainers make one trainer's full fine-tune update of both experts."""
+    wan22 = ("model.name=wan22", "model.preset=tiny", "model.init=''", "model.lora_targets=[]", "rollout.num_steps=4",
+             "rollout.steps=all_but_last", "model.finetune=full", "train.lr=1e-3", "train.rows_per_pass=6")
+    one, h1 = await _step_once(tmp_path, "one", *wan22)
+    two, h2 = await _step_once(tmp_path, "two", *wan22, "placement.trainer=2")
+    assert h2[0]["rows_by_expert/high"] > 0 and h2[0]["rows_by_expert/low"] > 0
+    assert h2[0]["grad_norm"] == pytest.approx(h1[0]["grad_norm"], rel=1e-4)
+    assert {k.split(".")[0] for k in two} == {"transformer", "transformer_2"}  # both experts, gathered
+    _assert_same_update(one, two, _initial(*wan22))
+
+
 @pytest.mark.slow
 async def test_two_trainers_learn_like_one(tmp_path: Path) -> None:
     common = ("train.iterations=6", "train.lr=3e-3", "rollout.prompts_per_batch=4")
