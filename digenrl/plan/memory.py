@@ -457,12 +457,8 @@ def memory_plan(cfg: Config, traces: Traces | None = None) -> MemoryPlan:
     n_trainer = 1 if colocated else place.trainer
     shard = cfg.shard if not colocated else "none"
 
-    rows, roll_samples = _sizes(cfg)
-    branches = _cfg_branches(cfg)
-    train_act, one_row_act = traces.train(rows * branches), traces.train(branches)
-    forward_act, decode_act = traces.forward(roll_samples * branches), traces.decode()
-    decode_peak = decode_act * min(roll_samples, cfg.rollout.decode_batch or roll_samples)
-    rollout_act = max(forward_act, decode_peak)
+    act = _activations(cfg, traces)
+    rows, train_act, rollout_act, decode_act = act.rows, act.train, act.rollout, act.decode_sample
 
     lora = m.finetune == "lora"
     n_train = lora_params(cfg, parts.transformer) if lora else n_transformer
@@ -491,9 +487,7 @@ def memory_plan(cfg: Config, traces: Traces | None = None) -> MemoryPlan:
         r.activations = train_act
         if generates:
             r.activations = max(train_act, rollout_act)
-            r.vae = vae_bytes
-            r.text_encoders = 0 if m.offload_text_encoder else text_bytes
-            r.host_bytes += text_bytes if m.offload_text_encoder else 0
+            _hold_vae_and_text_encoders(r, vae_bytes, text_bytes, m.offload_text_encoder)
             r.notes.append("also generates (TAG/colocated): VAE and rollout activations")
         return r
 
@@ -506,9 +500,7 @@ def memory_plan(cfg: Config, traces: Traces | None = None) -> MemoryPlan:
         r.trainable_params = n_train if lora else 0
         r.trainable = n_train * nbytes if lora else 0
         r.activations = activations
-        r.vae = vae_bytes
-        r.text_encoders = 0 if m.offload_text_encoder else text_bytes
-        r.host_bytes += text_bytes if m.offload_text_encoder else 0
+        _hold_vae_and_text_encoders(r, vae_bytes, text_bytes, m.offload_text_encoder)
         return r
 
     roles: dict[str, RoleMemory] = {}
@@ -527,10 +519,44 @@ def memory_plan(cfg: Config, traces: Traces | None = None) -> MemoryPlan:
     models = _place_rewards(cfg, roles)
     return MemoryPlan(m.name, getattr(parts, "variant", ""), m.preset, device, capacity, shard, n_transformer, n_text,
                       n_vae, rows, ACTIVATIONS_METHOD, roles, shared=_shared_gpus(cfg, roles), rewards=models,
-                      train_row_bytes=(train_act - one_row_act) // (rows - 1) if rows > 1 else one_row_act,
-                      train_activations=train_act, rollout_forward=forward_act, decode_sample=decode_act,
-                      decode_samples=min(roll_samples, cfg.rollout.decode_batch or roll_samples),
+                      train_row_bytes=(train_act - act.one_row) // (rows - 1) if rows > 1 else act.one_row,
+                      train_activations=train_act, rollout_forward=act.forward, decode_sample=decode_act,
+                      decode_samples=act.decode_samples,
                       expert_params=experts.second, expert_offload=experts.offload)
+
+
+@dataclass(frozen=True)
+class _ActivationPeaks:
+    """Traced activation peaks (bytes): a trainer's pass of ``rows`` rows and of one row, a rollout token's
+    forward, one decoded sample, ``decode_samples`` decoded at once; ``rollout`` is the larger of forward and decode."""
+
+    rows: int
+    train: int
+    one_row: int
+    forward: int
+    decode_sample: int
+    decode_samples: int
+
+    @property
+    def rollout(self) -> int:
+        return max(self.forward, self.decode_sample * self.decode_samples)
+
+
+def _activations(cfg: Config, traces: Traces) -> _ActivationPeaks:
+    """The activation peaks of ``cfg``'s passes (both CFG branches of a row in one batch where they run)."""
+    rows, roll_samples = _sizes(cfg)
+    branches = _cfg_branches(cfg)
+    return _ActivationPeaks(rows, traces.train(rows * branches), traces.train(branches),
+                            traces.forward(roll_samples * branches), traces.decode(),
+                            min(roll_samples, cfg.rollout.decode_batch or roll_samples))
+
+
+def _hold_vae_and_text_encoders(r: RoleMemory, vae_bytes: int, text_bytes: int, offload: bool) -> None:
+    """A generating role's VAE on its device, and its text encoders there or (``model.offload_text_encoder``) in
+    host memory between uses."""
+    r.vae = vae_bytes
+    r.text_encoders = 0 if offload else text_bytes
+    r.host_bytes += text_bytes if offload else 0
 
 
 @dataclass

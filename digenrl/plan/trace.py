@@ -25,7 +25,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from digenrl.models.full import cast_quietly
+from digenrl.models.full import BLOCK_KEYS, cast_quietly
 
 __all__ = ["LiveBytes", "fused_attention", "transformer_inputs", "trace_pass", "trace_extrapolated", "trace_decode"]
 
@@ -94,17 +94,6 @@ def fused_attention() -> Iterator[None]:
 
 
 # -- what one model forward looks like on the meta device -------------------------------------------
-
-# Depth keys of each family's transformer config: the stacks the trace extrapolates along.
-DEPTH_KEYS: dict[str, tuple[str, ...]] = {
-    "qwenimage": ("num_layers",),
-    "qwenimage_edit": ("num_layers",),
-    "flux": ("num_layers", "num_single_layers"),
-    "wan21": ("num_layers",),
-    "wan22": ("num_layers",),
-    "hunyuanvideo": ("num_layers", "num_single_layers"),
-    "sd3": ("num_layers",),
-}
 
 
 def transformer_inputs(name: str, transformer: torch.nn.Module, rows: int, height: int, width: int, frames: int,
@@ -188,7 +177,7 @@ def trace_extrapolated(name: str, transformer: torch.nn.Module, make_inputs: Any
     in each stack in turn give the intercept and the slopes exactly (tests compare with a full trace).
     """
     cls, config = type(transformer), dict(transformer.config)
-    keys = [k for k in DEPTH_KEYS[name] if config.get(k, 0) >= 1]
+    keys = [k for k in BLOCK_KEYS[name] if config.get(k, 0) >= 1]  # the stacks to extrapolate along
     dtype = next(transformer.parameters()).dtype
 
     def peak(depths: dict[str, int]) -> int:

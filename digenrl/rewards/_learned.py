@@ -34,11 +34,11 @@ import torch
 import torch.nn.functional as F
 
 from digenrl.errors import ConfigError
-from digenrl.rewards.base import as_frames
+from digenrl.rewards.base import as_frames, check_batch
 
 __all__ = ["ClipPixels", "TableSpec", "check_table", "resolve_dtype", "table_path", "clip_config", "hf_weights_present",
            "processor_files", "load_clip_model", "load_state_dict_file", "state_dict_shapes", "score_batches",
-           "embed_unique", "features_of", "one_line"]
+           "embed_unique", "features_of", "one_line", "three_floats", "TextImageReward"]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -287,7 +287,8 @@ class ClipPixels:
             raise ConfigError(f"{where}: its image processor does not preprocess as CLIP does (shortest side, bicubic, "
                               f"center crop, /255, normalise): size={processor.size}, crop_size={crop}, "
                               f"resample={processor.resample}")
-        return cls(size, (int(crop_hw[0]), int(crop_hw[1])), _three(processor.image_mean), _three(processor.image_std))
+        return cls(size, (int(crop_hw[0]), int(crop_hw[1])), three_floats(processor.image_mean),
+                   three_floats(processor.image_std))
 
     def __call__(self, images: torch.Tensor) -> torch.Tensor:
         """``[N, 3, H, W]`` in [0, 1] -> ``[N, 3, crop_h, crop_w]`` normalised (fp32, on the input's device)."""
@@ -309,7 +310,8 @@ class ClipPixels:
         return (x - mean) / std
 
 
-def _three(values: Any) -> tuple[float, float, float]:
+def three_floats(values: Any) -> tuple[float, float, float]:
+    """A per-channel mean/std (three values, or one for every channel) as floats."""
     v = [float(x) for x in (values if isinstance(values, Sequence) else [values] * 3)]
     return (v[0], v[1], v[2])
 
@@ -350,3 +352,37 @@ def score_batches(images: torch.Tensor, device: str, batch_size: int,
             out.append(score_frames(chunk, owner[i:i + batch_size]).float().cpu())
     scores = torch.cat(out) if out else torch.zeros(0)
     return scores.reshape(-1, f).mean(dim=1)
+
+
+class TextImageReward:
+    """A reward that scores the cosine of a sample's image features and its prompt's text features (CLIP-family
+    models): subclasses give ``text_features``/``image_features`` (L2-normalised, on ``device``), ``name``,
+    ``device``, ``batch_size`` and may turn the cosine into their score with ``combine``."""
+
+    name = "text-image"
+    device = "cpu"
+    batch_size = 32
+
+    def text_features(self, prompts: list[str]) -> torch.Tensor:
+        raise NotImplementedError
+
+    def image_features(self, frames: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def combine(self, cos: torch.Tensor) -> torch.Tensor:
+        """The score of each frame from its cosine (default: the cosine)."""
+        return cos
+
+    def score(self, images: torch.Tensor, prompts: Sequence[str]) -> torch.Tensor:
+        """Score a batch (videos: the mean over frames); fp32 ``[B]`` on the CPU.
+
+        Raises:
+            RewardError: a malformed batch.
+        """
+        check_batch(images, prompts, self.name)
+        text, rows = embed_unique(prompts, self.text_features, self.batch_size)
+
+        def frames_score(frames: torch.Tensor, samples: torch.Tensor) -> torch.Tensor:
+            return self.combine((self.image_features(frames) * text[rows[samples].to(text.device)]).sum(dim=-1))
+
+        return score_batches(images, self.device, self.batch_size, frames_score)

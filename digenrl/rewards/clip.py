@@ -27,15 +27,13 @@ Not yet run on a GPU or at real size: CUDA placement is tested through its meta-
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 
-from digenrl.rewards._learned import (ClipPixels, TableSpec, check_table, clip_config, embed_unique, features_of,
-                                      hf_weights_present, load_clip_model, processor_files, resolve_dtype,
-                                      score_batches, table_path)
-from digenrl.rewards.base import check_batch
+from digenrl.rewards._learned import (ClipPixels, TableSpec, TextImageReward, check_table, clip_config, features_of,
+                                      hf_weights_present, load_clip_model, processor_files, resolve_dtype, table_path)
 
 __all__ = ["ClipScore", "PickScore", "CLIP_TABLE", "clipscore", "pickscore", "check_clipscore", "check_pickscore"]
 
@@ -94,8 +92,8 @@ def check_pickscore(table: Mapping[str, Any]) -> None:
     _paths("pickscore", table)
 
 
-class _ClipReward:
-    """A CLIPModel, its tokenizer and its preprocessing; ``_combine(cos)`` makes the score.
+class _ClipReward(TextImageReward):
+    """A CLIPModel, its tokenizer and its preprocessing; ``combine(cos)`` makes the score.
 
     Raises:
         ConfigError: a missing or wrong path, or a directory of another architecture (the key named).
@@ -128,24 +126,6 @@ class _ClipReward:
         out = self.model.get_image_features(pixel_values=self.pixels(frames).to(self.dtype))
         return torch.nn.functional.normalize(features_of(out).float(), dim=-1)
 
-    def _combine(self, cos: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
-
-    def score(self, images: torch.Tensor, prompts: Sequence[str]) -> torch.Tensor:
-        """Score a batch (videos: the mean over frames); fp32 ``[B]`` on the CPU.
-
-        Raises:
-            RewardError: a malformed batch.
-        """
-        check_batch(images, prompts, self.name)
-        text, rows = embed_unique(prompts, self.text_features, self.batch_size)
-
-        def frames_score(frames: torch.Tensor, samples: torch.Tensor) -> torch.Tensor:
-            cos = (self.image_features(frames) * text[rows[samples].to(text.device)]).sum(dim=-1)
-            return self._combine(cos)
-
-        return score_batches(images, self.device, self.batch_size, frames_score)
-
 
 class ClipScore(_ClipReward):
     """CLIP-S (Hessel et al. 2021): ``2.5 * max(cos, 0)`` (module docstring)."""
@@ -153,7 +133,7 @@ class ClipScore(_ClipReward):
     name = "clipscore"
     w = 2.5
 
-    def _combine(self, cos: torch.Tensor) -> torch.Tensor:
+    def combine(self, cos: torch.Tensor) -> torch.Tensor:
         return self.w * cos.clamp(min=0)
 
 
@@ -162,7 +142,7 @@ class PickScore(_ClipReward):
 
     name = "pickscore"
 
-    def _combine(self, cos: torch.Tensor) -> torch.Tensor:
+    def combine(self, cos: torch.Tensor) -> torch.Tensor:
         return self.model.logit_scale.float().exp() * cos
 
 

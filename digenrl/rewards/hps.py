@@ -26,15 +26,14 @@ Not yet run on a GPU or at real size: CUDA placement is tested through its meta-
 from __future__ import annotations
 
 import importlib.util
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 
 from digenrl.errors import ConfigError
-from digenrl.rewards._learned import (ClipPixels, TableSpec, check_table, embed_unique, one_line, resolve_dtype,
-                                      score_batches, state_dict_shapes, table_path)
-from digenrl.rewards.base import check_batch
+from digenrl.rewards._learned import (ClipPixels, TableSpec, TextImageReward, check_table, one_line, resolve_dtype,
+                                      state_dict_shapes, table_path, three_floats)
 
 __all__ = ["HpsV2Reward", "HPS_TABLE", "hpsv2", "check_hpsv2", "import_open_clip"]
 
@@ -117,7 +116,7 @@ def check_hpsv2(table: Mapping[str, Any]) -> None:
                           f"(reward.models.hpsv2.model): {what}")
 
 
-class HpsV2Reward:
+class HpsV2Reward(TextImageReward):
     """HPSv2.1 (module docstring).
 
     Raises:
@@ -152,7 +151,7 @@ class HpsV2Reward:
         if cfg.get("interpolation", "bicubic") != "bicubic" or cfg.get("resize_mode", "shortest") != "shortest" or h != w:
             raise ConfigError(f"reward.models.hpsv2.model: its preprocessing {dict(cfg)} is not the one replicated "
                               "(square, shortest side, bicubic)")
-        return ClipPixels(int(h), (int(h), int(w)), _three(cfg["mean"]), _three(cfg["std"]), crop_offset="round")
+        return ClipPixels(int(h), (int(h), int(w)), three_floats(cfg["mean"]), three_floats(cfg["std"]), crop_offset="round")
 
     def text_features(self, prompts: list[str]) -> torch.Tensor:
         """L2-normalised fp32 text features ``[P, D]`` on the reward's device."""
@@ -162,25 +161,6 @@ class HpsV2Reward:
     def image_features(self, frames: torch.Tensor) -> torch.Tensor:
         """L2-normalised fp32 image features ``[N, D]`` of frames ``[N, 3, H, W]`` in [0, 1] (on the device)."""
         return self.model.encode_image(self.pixels(frames).to(self._input_dtype), normalize=True).float()
-
-    def score(self, images: torch.Tensor, prompts: Sequence[str]) -> torch.Tensor:
-        """HPSv2.1 of each sample (videos: the mean over frames); fp32 ``[B]`` on the CPU.
-
-        Raises:
-            RewardError: a malformed batch.
-        """
-        check_batch(images, prompts, self.name)
-        text, rows = embed_unique(prompts, self.text_features, self.batch_size)
-
-        def frames_score(frames: torch.Tensor, samples: torch.Tensor) -> torch.Tensor:
-            return (self.image_features(frames) * text[rows[samples].to(text.device)]).sum(dim=-1)
-
-        return score_batches(images, self.device, self.batch_size, frames_score)
-
-
-def _three(values: Any) -> tuple[float, float, float]:
-    v = [float(x) for x in values]
-    return (v[0], v[1], v[2])
 
 
 def hpsv2(table: Mapping[str, Any], device: str, dtype: str) -> HpsV2Reward:
