@@ -299,7 +299,7 @@ class ZmqTransport(Transport):
             self.stats["auth_failed"] += 1
             if evt["event"] != zmq.EVENT_HANDSHAKE_FAILED_AUTH:  # (the ZAP handler logs those, with the IP)
                 log.warning("zmq endpoint %s refused a peer %s; ZeroMQ reports no address for a peer it drops "
-                            "before the key check", self._address, _handshake_failure(evt["value"]))
+                            "before the key check", self._address, _handshake_failure(evt["event"], evt["value"]))
 
     @property
     def address(self) -> str:
@@ -572,8 +572,13 @@ class ZmqTransport(Transport):
         return f"ZmqTransport({self._address!r}{', closed' if self._closed else ''})"
 
 
-def _handshake_failure(code: int) -> str:
-    """What a CURVE handshake failure's protocol error code says about the peer."""
+def _handshake_failure(event: int, code: int) -> str:
+    """What a CURVE handshake failure's event and code say about the peer."""
+    if event == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:
+        # A peer without keys sees this endpoint's CURVE greeting, gives up and hangs up, sometimes before
+        # its own greeting reached ZeroMQ here: the code is then the socket's errno, not a protocol error.
+        return (f"that hung up during the CURVE handshake ({errno.errorcode.get(code, code)}: most often a peer "
+                "without CURVE keys; a worker joins with --keys, the run's transport.keys directory)")
     if code == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH:
         return "without CURVE keys (a worker joins with --keys, the run's transport.keys directory)"
     if code == zmq.PROTOCOL_ERROR_ZMTP_CRYPTOGRAPHIC:
