@@ -200,8 +200,9 @@ class Wan22Model(WanModel):
 
     @property
     def device(self) -> torch.device:
-        """The device the model computes on (an offloaded expert's weights are elsewhere meanwhile)."""
-        return self._home
+        """The device the model computes on: its transformer's, or (``expert_offload``) where the resident
+        expert computes while the idle one's frozen weights wait on the host."""
+        return self._home if self.expert_offload else super().device
 
     # -- which expert -----------------------------------------------------------------------------
     def expert_of(self, sigma: torch.Tensor) -> torch.Tensor:
