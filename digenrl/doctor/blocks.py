@@ -33,7 +33,7 @@ import torch
 
 __all__ = ["FAMILIES", "BlockShape", "GPU_SHAPES", "BlockCase", "build_block", "block_check", "check_blocks"]
 
-FAMILIES = ("qwenimage", "flux", "wan21", "hunyuanvideo")
+FAMILIES = ("qwenimage", "flux", "wan21", "hunyuanvideo", "sd3")
 
 
 @dataclass(frozen=True)
@@ -60,6 +60,7 @@ GPU_SHAPES = {
     "flux": BlockShape(2, 1, 32, 32, 512),
     "wan21": BlockShape(2, 1, 32, 32, 512),
     "hunyuanvideo": BlockShape(2, 1, 32, 32, 256),
+    "sd3": BlockShape(2, 1, 32, 32, 77 + 128),  # CLIP's 77 tokens beside T5's text_len
 }
 
 
@@ -182,7 +183,25 @@ def _hunyuanvideo(cfg: dict[str, Any], s: BlockShape, dev: torch.device, dt: tor
     return block, run
 
 
-_BUILDERS = {"qwenimage": _qwenimage, "flux": _flux, "wan21": _wan21, "hunyuanvideo": _hunyuanvideo}
+def _sd3(cfg: dict[str, Any], s: BlockShape, dev: torch.device, dt: torch.dtype, gen: _Gen) -> _Built:
+    from diffusers.models.attention import JointTransformerBlock
+
+    # SD3.5 Medium's first blocks add a second image-only attention (MMDiT-X): the check builds that kind
+    # where the variant has it. No rotary embedding: SD3 adds its positions before the blocks.
+    dim = cfg["num_attention_heads"] * cfg["attention_head_dim"]
+    block = JointTransformerBlock(dim, cfg["num_attention_heads"], cfg["attention_head_dim"], qk_norm=cfg["qk_norm"],
+                                  use_dual_attention=bool(cfg.get("dual_attention_layers")))
+    x = _randn(s.batch, s.image_tokens, dim, device=dev, dtype=dt, gen=gen)
+    txt = _randn(s.batch, s.text_tokens, dim, device=dev, dtype=dt, gen=gen)  # after the context embedder
+    temb = _randn(s.batch, dim, device=dev, dtype=dt, gen=gen)
+
+    def run() -> tuple[torch.Tensor, ...]:
+        return tuple(block(hidden_states=x, encoder_hidden_states=txt, temb=temb))
+
+    return block, run
+
+
+_BUILDERS = {"qwenimage": _qwenimage, "flux": _flux, "wan21": _wan21, "hunyuanvideo": _hunyuanvideo, "sd3": _sd3}
 
 
 def build_block(family: str, shape: BlockShape, *, device: str | torch.device = "cuda",
