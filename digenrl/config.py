@@ -317,6 +317,9 @@ class RewardConfig:
     timeout: float = 30.0
     retries: int = 2
     image_format: str = "png"
+    # The 'remote' reward also sends each sample's input images: for a served edit reward (uses_sources),
+    # whose server refuses requests without them.
+    remote_sources: bool = False
     on_error: str = "raise"
     penalty: float = -1.0
     # on_error = "penalty" stops the run once more than this share of the samples of the last
@@ -342,6 +345,7 @@ class RewardConfig:
         _choice("reward.dtype", self.dtype, ("", "float32", "bfloat16", "float16"))
         _check("reward.url", "remote" not in self.weights or bool(self.url), "set when 'remote' is weighted", self.url)
         _choice("reward.image_format", self.image_format, ("png", "raw"))
+        _check("reward.remote_sources", isinstance(self.remote_sources, bool), "true or false", self.remote_sources)
         _choice("reward.on_error", self.on_error, ("raise", "penalty"))
         _check("reward.timeout", self.timeout > 0, "> 0", self.timeout)
         f = self.max_failure_fraction
@@ -359,7 +363,8 @@ class RewardConfig:
         layer imports no config), ``device`` resolved against the building actor's ``model_device``."""
         return {"models": self.models, "device": self.device or model_device, "dtype": self.dtype,
                 "url": self.url or None, "timeout": self.timeout, "retries": self.retries,
-                "image_format": self.image_format, "on_error": self.on_error, "penalty": self.penalty}
+                "image_format": self.image_format, "remote_sources": self.remote_sources,
+                "on_error": self.on_error, "penalty": self.penalty}
 
 
 @dataclass(frozen=True)

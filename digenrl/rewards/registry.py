@@ -212,7 +212,8 @@ def check_reward_files(weights: Mapping[str, float], models: Mapping[str, Any]) 
 
 
 def make_reward(name: str, *, table: Mapping[str, Any] | None = None, device: str = "cpu", dtype: str = "",
-                url: str | None = None, timeout: float = 30.0, retries: int = 2, image_format: str = "png") -> Reward:
+                url: str | None = None, timeout: float = 30.0, retries: int = 2, image_format: str = "png",
+                remote_sources: bool = False) -> Reward:
     """One reward by name, built by its factory from its table on ``device`` in ``dtype``.
 
     Raises:
@@ -224,7 +225,8 @@ def make_reward(name: str, *, table: Mapping[str, Any] | None = None, device: st
             raise ConfigError("reward.url: the 'remote' reward needs a url (e.g. http://127.0.0.1:18085/score)")
         from digenrl.rewards.remote import RemoteReward
 
-        return RemoteReward(url, timeout=timeout, retries=retries, image_format=image_format)
+        return RemoteReward(url, timeout=timeout, retries=retries, image_format=image_format,
+                            send_sources=remote_sources)
     if name not in _FACTORIES:
         raise ConfigError(f"reward.weights: unknown reward {name!r}; allowed: {', '.join(REWARD_NAMES)}")
     table = dict(table or {})
@@ -243,6 +245,7 @@ def build_reward(
     timeout: float = 30.0,
     retries: int = 2,
     image_format: str = "png",
+    remote_sources: bool = False,
     on_error: str = "raise",
     penalty: float = -1.0,
 ) -> GuardedReward:
@@ -253,7 +256,8 @@ def build_reward(
         models: reward name -> its ``[reward.models.<name>]`` table (``reward.models``).
         device: where the rewards run (``reward.device`` resolved by the caller: never ``""``).
         dtype: ``reward.dtype`` (``""``: bf16 on CUDA, fp32 elsewhere).
-        url, timeout, retries, image_format: the ``remote`` reward's settings.
+        url, timeout, retries, image_format, remote_sources: the ``remote`` reward's settings
+            (``remote_sources``: send the samples' input images, for a served edit reward).
         on_error, penalty: the failure policy (:class:`~digenrl.rewards.base.GuardedReward`).
 
     Raises:
@@ -268,6 +272,6 @@ def build_reward(
         if not isinstance(w, int | float) or w != w or abs(w) == float("inf"):
             raise ConfigError(f"reward.weights.{name}: weight must be a finite number, got {w!r}")
         reward = make_reward(name, table=models.get(name), device=device, dtype=dtype, url=url, timeout=timeout,
-                             retries=retries, image_format=image_format)
+                             retries=retries, image_format=image_format, remote_sources=remote_sources)
         parts[name] = (reward, float(w))
     return GuardedReward(WeightedReward(parts), on_error=on_error, penalty=penalty)

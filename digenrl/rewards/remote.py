@@ -4,6 +4,10 @@
 Transient failures (connection refused or reset, timeouts, HTTP 5xx) are retried with exponential
 backoff; a 4xx answer is the caller's fault and is raised at once. Either way the final failure is a
 :class:`RewardError` naming the URL and the cause.
+
+An edit reward served remotely needs the samples' input images: ``send_sources=True``
+(``reward.remote_sources``) makes the client ``uses_sources``, so the callers pass them (``rewards/base.py``),
+and sends them in the request's ``sources`` field.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 import torch
 
-from digenrl.rewards._wire import IMAGE_FORMATS, encode_images
+from digenrl.rewards._wire import IMAGE_FORMATS, encode_images, encode_sources
 from digenrl.rewards.base import RewardError, check_batch
 
 __all__ = ["RemoteReward"]
@@ -38,6 +42,8 @@ class RemoteReward:
         backoff: first retry delay in seconds (doubles each retry).
         image_format: ``"png"`` (compact) or ``"raw"`` (exact uint8 array, no codec).
         name: the name to report.
+        send_sources: send each sample's input images (``[B, K, 3, H, W]``, the ``sources`` of
+            :meth:`score`) for a served reward that scores against them; sets ``uses_sources``.
 
     Raises:
         ValueError: bad arguments.
@@ -52,6 +58,7 @@ class RemoteReward:
         backoff: float = 0.2,
         image_format: str = "png",
         name: str = "remote",
+        send_sources: bool = False,
     ) -> None:
         if not url.startswith(("http://", "https://")):
             raise ValueError(f"reward url must start with http:// or https://, got {url!r}")
@@ -62,17 +69,27 @@ class RemoteReward:
         self.url, self.timeout, self.retries, self.backoff = url, timeout, retries, backoff
         self.image_format = image_format
         self.name = name
+        self.uses_sources = send_sources  # the callers pass sources= only to a reward that says so
 
-    def score(self, images: torch.Tensor, prompts: Sequence[str]) -> torch.Tensor:
-        """POST the batch and return the scores.
+    def score(self, images: torch.Tensor, prompts: Sequence[str], sources: torch.Tensor | None = None) -> torch.Tensor:
+        """POST the batch (with ``sources``, the input images ``[B, K, 3, H, W]``, under ``send_sources``) and
+        return the scores. Without ``send_sources`` no sources are sent.
 
         Raises:
-            RewardError: malformed batch, the server answered an error, it could not be reached after
-                all retries, or its answer is malformed.
+            RewardError: malformed batch or sources, no sources under ``send_sources``, the server answered
+                an error, it could not be reached after all retries, or its answer is malformed.
         """
         check_batch(images, prompts, self.name)
-        body = json.dumps({"prompts": list(prompts), "images": encode_images(images, self.image_format)}).encode()
-        reply = self._post(body)
+        request = {"prompts": list(prompts), "images": encode_images(images, self.image_format)}
+        if self.uses_sources:
+            if sources is None:
+                raise RewardError(f"{self._who}: send_sources (reward.remote_sources) is set, but no input images "
+                                  "were passed (sources=None)")
+            try:
+                request["sources"] = encode_sources(sources, images.shape[0], self.image_format)
+            except RewardError as exc:
+                raise RewardError(f"{self._who}: {exc}") from None
+        reply = self._post(json.dumps(request).encode())
         scores = reply.get("scores") if isinstance(reply, dict) else None
         if not isinstance(scores, list) or len(scores) != images.shape[0]:
             raise RewardError(f"{self._who}: expected {images.shape[0]} scores, got {str(reply)[:200]}")

@@ -10,6 +10,10 @@ It binds to 127.0.0.1 unless ``--host`` says otherwise and writes its URL as the
 (useful with ``--port 0``). It scores on ``POST /score`` and, for a ``reward.url`` given as a bare base
 URL (``http://host:port``), on ``POST /`` too; any other path gets 404 naming the URL to use. Bodies above ``--max-bytes`` are refused (413); malformed requests get 400
 with the reason; a reward that raises gets 500.
+
+A served edit reward (``uses_sources``, e.g. ``edit_consistency``) is handed the request's ``sources``
+(the samples' input images); a request without them gets 400 telling the client to send them
+(``reward.remote_sources = true``). A reward that does not use sources ignores them, undecoded.
 """
 
 from __future__ import annotations
@@ -23,8 +27,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from digenrl.errors import ConfigError
-from digenrl.rewards._wire import decode_images
-from digenrl.rewards.base import Reward, RewardError
+from digenrl.rewards._wire import decode_images, decode_sources
+from digenrl.rewards.base import Reward, RewardError, score_with_sources
 
 __all__ = ["RewardServer", "main"]
 
@@ -87,9 +91,16 @@ class RewardServer:
         if not isinstance(prompts, list) or not all(isinstance(p, str) for p in prompts):
             raise RewardError("prompts: expected a list of strings")
         images = decode_images(payload.get("images"))
+        sources = None
+        if getattr(self.reward, "uses_sources", False):
+            if payload.get("sources") is None:
+                raise RewardError(f"sources: the served reward {self.reward.name!r} scores each output against its "
+                                  "input images, and this request carries none; the client must send them "
+                                  "(reward.remote_sources = true, or RemoteReward(..., send_sources=True))")
+            sources = decode_sources(payload["sources"], len(prompts))
         with self._lock:
             self.requests += 1
-            return [float(s) for s in self.reward.score(images, prompts)]
+            return [float(s) for s in score_with_sources(self.reward, images, prompts, sources)]
 
     def _handler_class(self) -> type[BaseHTTPRequestHandler]:
         server = self
