@@ -715,6 +715,21 @@ class Config:
                               "use tcp://<this host>:<port> or leave it empty (loopback, a one-host Ray)")
 
     @property
+    def input_images(self) -> int:
+        """Input images each prompt carries (Qwen-Image-Edit: one, Edit-Plus: one or more; 0 for a text-to-image
+        model): the first prompt's, as every prompt of a run carries the same number.
+
+        Raises:
+            ConfigError: as ``load_prompts`` (a missing prompt file or image, a malformed line).
+        """
+        if self.model.name != "qwenimage_edit":
+            return 0
+        from digenrl.data.prompts import load_prompts, split_prompt
+
+        d = self.data
+        return len(split_prompt(load_prompts(d.prompt_set, d.prompts, d.prompt_file)[0])[1])
+
+    @property
     def trainers_generate(self) -> bool:
         """Whether trainer actors also generate (TAG: ROLLOUT/REWARD tokens), so need the VAE and text encoder."""
         return self.disaggregated and PRESETS[self.schedule.name].tag and self.shard != "fsdp"

@@ -137,7 +137,8 @@ def config_profile(cfg: Config, traces: Traces | None = None) -> ModelProfile:
     plan = memory_plan(cfg, traces)
     trainer = plan.roles.get("trainer") or next(iter(plan.roles.values()))
     # (two experts, Wan2.2 A14B: a rollout engine holds both; plan.transformer_params is one expert's)
-    return model_profile(cfg.model, trainer.trainable_params, plan.transformer_params + plan.expert_params, cfg.reward)
+    return model_profile(cfg.model, trainer.trainable_params, plan.transformer_params + plan.expert_params, cfg.reward,
+                         input_images=cfg.input_images)
 
 
 def _measured_note(cfg: Config, measured: MeasuredCost) -> str:

@@ -374,6 +374,16 @@ def _conditioning_hw(m: Any) -> tuple[int, int] | None:
     return image_size(conditioning_area(m.preset, m.image_area, h, w), h, w)
 
 
+def _conditioning_note(cfg: Config) -> str:
+    """What the traced sequence holds beside the output's tokens (Qwen-Image-Edit's input images)."""
+    hw = _conditioning_hw(cfg.model)
+    if hw is None:
+        return ""
+    k = max(1, cfg.input_images)
+    return (f"; the sequence also holds {k} input image{'s' if k > 1 else ''} of {hw[0]}x{hw[1]} px "
+            f"({(hw[0] // 16) * (hw[1] // 16)} tokens each)")
+
+
 def _cfg_branches(cfg: Config) -> int:
     """Rows per forward row: true CFG runs both branches in one batch (Qwen-Image, Wan2.1, SD3.5)."""
     true_cfg = ("qwenimage", "qwenimage_edit", "wan21", "wan22", "sd3")
@@ -394,6 +404,8 @@ class Traces:
         self.cfg, self.parts, self.dtype, self.linear = cfg, parts, dtype, linear
         self.branches = _cfg_branches(cfg)
         self.text_len = m.text_len or (_TEXT_LEN[m.name] if m.preset in ("pretrained", "full", "random") else 32)
+        self.cond_hw = _conditioning_hw(m)
+        self.cond_images = max(1, cfg.input_images)  # Qwen-Image-Edit-Plus: every input image's tokens join the sequence
         self._memo: dict[tuple[str, int], int] = {}
 
     def _trace(self, kind: str, rows: int) -> int:
@@ -408,7 +420,7 @@ class Traces:
             else:
                 def inputs(tr: torch.nn.Module) -> Any:
                     return transformer_inputs(m.name, tr, rows, h, w, m.num_frames, self.text_len, self.dtype,
-                                              cond_hw=_conditioning_hw(m))
+                                              cond_hw=self.cond_hw, cond_images=self.cond_images)
 
                 train = kind == "train"
                 self._memo[key] = trace_extrapolated(m.name, parts.transformer, inputs, train=train,
@@ -518,7 +530,7 @@ def memory_plan(cfg: Config, traces: Traces | None = None) -> MemoryPlan:
                            "transformer and text encoders are unused there)")
     models = _place_rewards(cfg, roles)
     return MemoryPlan(m.name, getattr(parts, "variant", ""), m.preset, device, capacity, shard, n_transformer, n_text,
-                      n_vae, rows, ACTIVATIONS_METHOD, roles, shared=_shared_gpus(cfg, roles), rewards=models,
+                      n_vae, rows, ACTIVATIONS_METHOD + _conditioning_note(cfg), roles, shared=_shared_gpus(cfg, roles), rewards=models,
                       train_row_bytes=(train_act - act.one_row) // (rows - 1) if rows > 1 else act.one_row,
                       train_activations=train_act, rollout_forward=act.forward, decode_sample=decode_act,
                       decode_samples=act.decode_samples,

@@ -97,22 +97,24 @@ def fused_attention() -> Iterator[None]:
 
 
 def transformer_inputs(name: str, transformer: torch.nn.Module, rows: int, height: int, width: int, frames: int,
-                       text_len: int, dtype: torch.dtype, cond_hw: tuple[int, int] | None = None) -> dict[str, Any]:
+                       text_len: int, dtype: torch.dtype, cond_hw: tuple[int, int] | None = None,
+                       cond_images: int = 1) -> dict[str, Any]:
     """Meta tensors shaped as the adapters' ``transformer_forward`` passes them for ``rows`` rows (``cond_hw``:
-    Qwen-Image-Edit's conditioning image size in pixels, default the output's)."""
+    Qwen-Image-Edit's conditioning image size in pixels, default the output's; ``cond_images`` of them)."""
     c = transformer.config
 
     def empty(*shape: int, dt: torch.dtype = dtype) -> torch.Tensor:
         return torch.empty(*shape, device="meta", dtype=dt)
 
     lat_f, lat_h, lat_w = (frames - 1) // 4 + 1, height // 8, width // 8
-    if name == "qwenimage_edit":  # the noise tokens, then one input image's (packed alike)
+    if name == "qwenimage_edit":  # the noise tokens, then each input image's (packed alike)
         ch, cw = cond_hw or (height, width)
         s, s_img = (lat_h // 2) * (lat_w // 2), (ch // 16) * (cw // 16)
-        return dict(hidden_states=empty(rows, s + s_img, c.in_channels), timestep=empty(rows),
+        shapes = [(1, lat_h // 2, lat_w // 2)] + [(1, ch // 16, cw // 16)] * cond_images
+        return dict(hidden_states=empty(rows, s + cond_images * s_img, c.in_channels), timestep=empty(rows),
                     encoder_hidden_states=empty(rows, text_len, c.joint_attention_dim),
                     encoder_hidden_states_mask=torch.ones(rows, text_len, device="meta", dtype=torch.long),
-                    img_shapes=[[(1, lat_h // 2, lat_w // 2), (1, ch // 16, cw // 16)]] * rows, return_dict=False)
+                    img_shapes=[shapes] * rows, return_dict=False)
     if name == "qwenimage":
         return dict(hidden_states=empty(rows, (lat_h // 2) * (lat_w // 2), c.in_channels), timestep=empty(rows),
                     encoder_hidden_states=empty(rows, text_len, c.joint_attention_dim),

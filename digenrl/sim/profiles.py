@@ -355,7 +355,8 @@ def profile(name: str, variant: str = "") -> ModelProfile:
 
 
 def model_profile(m: ModelSpec, trainable_params: int | None = None,
-                  transformer_params: int | None = None, reward: RewardSpec | None = None) -> ModelProfile:
+                  transformer_params: int | None = None, reward: RewardSpec | None = None,
+                  input_images: int = 1) -> ModelProfile:
     """What one sample of a config costs (``m``: its ``[model]`` table): the model at ``model.variant`` (its
     block stacks cut to ``model.layers`` when set), its resolution, frames, text length, CFG passes and
     trainable set; text encoder as the model's paper recipe; reward models as ``reward`` (the config's
@@ -364,6 +365,8 @@ def model_profile(m: ModelSpec, trainable_params: int | None = None,
     ``trainable_params`` / ``transformer_params``: the exact counts (the memory plan's, on the meta model,
     as ``plan.fleet.config_profile`` passes them); defaults: the ``lora_params`` formula on the model's
     default targets (the whole transformer for ``full``) and the published transformer's count.
+    ``input_images``: Qwen-Image-Edit(-Plus)'s input images a prompt (``Config.input_images``), each
+    adding its tokens to the sequence.
 
     Raises:
         ConfigError: a preset whose FLOPs are not the published architecture's (a tiny model: price it with
@@ -382,7 +385,7 @@ def model_profile(m: ModelSpec, trainable_params: int | None = None,
         shape = SampleShape.from_pixels(m.num_frames, height, width, text, SPATIAL_FACTOR.get((arch, variant), 8))
         if arch == "qwen-image-edit":  # the input image's tokens (model.image_area; 0 = the pipelines' 1024²)
             area = int(getattr(m, "image_area", 0)) or EDIT_VAE_IMAGE_AREA
-            shape = replace(shape, cond_tokens=edit_image_tokens(area, height, width))
+            shape = replace(shape, cond_tokens=max(1, input_images) * edit_image_tokens(area, height, width))
     except ConfigError as exc:
         raise ConfigError(f"model.resolution / model.num_frames: {exc}") from exc
     passes = 2 if arch in _TRUE_CFG and m.guidance_scale > 1.0 else 1

@@ -82,3 +82,24 @@ def test_memory_plan_traces_the_longer_sequence() -> None:
     assert edit.train_activations > t2i.train_activations and edit.rollout_forward > t2i.rollout_forward
     small = memory_plan(load_config(ROOT / "configs" / "qwenimage_edit.toml", [f"model.image_area={512 * 512}"]))
     assert t2i.rollout_forward < small.rollout_forward < edit.rollout_forward
+
+
+def test_edit_plus_counts_every_input_image(tmp_path: Path) -> None:
+    """Qwen-Image-Edit-Plus appends each input image's tokens: a prompt file with two images a line doubles the
+    conditioning tokens in the simulator (through the plan's config profile) and lengthens the traced sequence."""
+    from digenrl.config import load_config
+    from digenrl.plan.fleet import config_profile
+    from digenrl.plan.memory import memory_plan
+
+    edit = ROOT / "examples" / "edit"
+    two = tmp_path / "two.jsonl"
+    two.write_text('{"prompt": "put the circle beside the square", '
+                   f'"images": ["{edit / "red_square.png"}", "{edit / "green_circle.png"}"]}}\n')
+    plus = ["model.variant=edit-plus", "rollout.group_size=2", "rollout.prompts_per_batch=1"]
+    one_cfg = load_config(ROOT / "configs" / "qwenimage_edit.toml", plus)
+    two_cfg = load_config(ROOT / "configs" / "qwenimage_edit.toml", [*plus, f"data.prompt_file={two}"])
+    assert (one_cfg.input_images, two_cfg.input_images) == (1, 2)
+    assert config_profile(two_cfg).shape == SampleShape(1, 64, 64, 1536, cond_tokens=2 * 4096)
+    assert config_profile(two_cfg).forward_flops == forward_flops("qwen-image", SampleShape(1, 64, 64 * 9, 1536))
+    one, both = memory_plan(one_cfg), memory_plan(two_cfg)
+    assert both.rollout_forward > one.rollout_forward and both.train_activations > one.train_activations
