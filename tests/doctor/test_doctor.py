@@ -270,4 +270,4 @@ def test_published_width_block_trains_on_cpu(family: str) -> None:
     # The real width (0.34-0.35 B parameters), one block, a few tokens: 6-12 s each on two cores.
     r = block_check(family, SMALL, device="cpu", dtype=torch.float32, rounds=1)
     assert r["ok"] is True, r.get("traceback")
-    assert r["dim"] == {"qwenimage": 3072, "flux": 3072, "wan21": 5120, "hunyuanvideo": 3072}[family]
+    assert r["dim"] == {"qwenimage": 3072, "flux": 3072, "wan21": 5120, "hunyuanvideo": 3072, "sd3": 2432}[family]
