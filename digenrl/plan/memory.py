@@ -530,7 +530,8 @@ def memory_plan(cfg: Config, traces: Traces | None = None) -> MemoryPlan:
                            "transformer and text encoders are unused there)")
     models = _place_rewards(cfg, roles)
     return MemoryPlan(m.name, getattr(parts, "variant", ""), m.preset, device, capacity, shard, n_transformer, n_text,
-                      n_vae, rows, ACTIVATIONS_METHOD + _conditioning_note(cfg), roles, shared=_shared_gpus(cfg, roles), rewards=models,
+                      n_vae, rows, ACTIVATIONS_METHOD + _conditioning_note(cfg), roles, shared=_shared_gpus(cfg, roles),
+                      rewards=models,
                       train_row_bytes=(train_act - act.one_row) // (rows - 1) if rows > 1 else act.one_row,
                       train_activations=train_act, rollout_forward=act.forward, decode_sample=decode_act,
                       decode_samples=act.decode_samples,

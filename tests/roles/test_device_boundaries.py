@@ -96,9 +96,8 @@ def _discarded(model: Any) -> tuple[str, ...]:
 
     Qwen-Image's last block computes a text-stream output that the model discards.
     """
-    blocks = getattr(model.transformer, "transformer_blocks", None)
     if model.name in ("qwenimage", "qwenimage_edit"):
-        last = len(blocks) - 1
+        last = len(model.transformer.transformer_blocks) - 1
         return (f"transformer_blocks.{last}.attn.to_add_out.", f"transformer_blocks.{last}.txt_mlp.")
     return ()
 
