@@ -102,13 +102,17 @@ class RemoteReward:
         """Check that ``url`` answers on a scoring path, without scoring anything (run at start-up).
 
         POSTs an empty batch, with the retries of :meth:`score`. Any HTTP answer but 404 counts: the
-        path serves (digenrl's server refuses an empty batch with 400 before any reward runs).
+        path serves (digenrl's server refuses an empty batch with 400 before any reward runs), unless
+        it says that its reward needs the input images this client does not send.
 
         Raises:
             RewardError: the message :meth:`score` would raise for this URL: nothing answers after
-                the retries, or HTTP 404 (no scoring endpoint on that path).
+                the retries, HTTP 404 (no scoring endpoint on that path), or the served reward needs
+                sources and ``send_sources`` is off (naming ``reward.remote_sources``).
         """
         body = {"prompts": [], "images": encode_images(torch.zeros(0, 3, 1, 1), "png")}
+        if self.uses_sources:
+            body["sources"] = encode_sources(torch.zeros(0, 1, 3, 1, 1), 0)
         self._post(json.dumps(body).encode(), probe=True)
 
     @property
@@ -134,6 +138,9 @@ class RemoteReward:
                     raise RewardError(f"{self._who}: HTTP 404 ({detail}): no scoring endpoint there; set reward.url "
                                       f"to the URL the reward server prints (`python -m digenrl.rewards.server` "
                                       f"scores on {self._scoring_url()})") from exc
+                if probe and "reward.remote_sources" in detail and not self.uses_sources:
+                    raise RewardError(f"{self._who}: the served reward scores each output against its input images; "
+                                      "set reward.remote_sources = true to send them") from exc
                 if probe:  # the path serves: it answered, whatever it thought of an empty batch
                     return None
                 if exc.code < 500:

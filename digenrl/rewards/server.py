@@ -90,14 +90,13 @@ class RewardServer:
         prompts = payload.get("prompts")
         if not isinstance(prompts, list) or not all(isinstance(p, str) for p in prompts):
             raise RewardError("prompts: expected a list of strings")
+        needs_sources = getattr(self.reward, "uses_sources", False)
+        if needs_sources and payload.get("sources") is None:  # before the images: a client's probe learns it too
+            raise RewardError(f"sources: the served reward {self.reward.name!r} scores each output against its "
+                              "input images, and this request carries none; the client must send them "
+                              "(reward.remote_sources = true, or RemoteReward(..., send_sources=True))")
         images = decode_images(payload.get("images"))
-        sources = None
-        if getattr(self.reward, "uses_sources", False):
-            if payload.get("sources") is None:
-                raise RewardError(f"sources: the served reward {self.reward.name!r} scores each output against its "
-                                  "input images, and this request carries none; the client must send them "
-                                  "(reward.remote_sources = true, or RemoteReward(..., send_sources=True))")
-            sources = decode_sources(payload["sources"], len(prompts))
+        sources = decode_sources(payload["sources"], len(prompts)) if needs_sources else None
         with self._lock:
             self.requests += 1
             return [float(s) for s in score_with_sources(self.reward, images, prompts, sources)]

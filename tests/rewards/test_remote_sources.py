@@ -82,6 +82,16 @@ def test_without_sources_the_server_answers_400_naming_reward_remote_sources(edi
     assert "HTTP 400" in msg and "reward.remote_sources = true" in msg and "'edit_consistency'" in msg
 
 
+def test_the_start_up_probe_names_reward_remote_sources_for_an_edit_server(edit_server: RewardServer) -> None:
+    """digenrl validate / run probe reward.url before anything starts: a client that would send no input images
+    to a reward that needs them is refused there, not at the first scored batch."""
+    with pytest.raises(RewardError, match=r"input images; set reward.remote_sources = true"):
+        RemoteReward(edit_server.url, retries=0, timeout=20).probe()
+    RemoteReward(edit_server.url, retries=0, timeout=20, send_sources=True).probe()  # serves: an empty batch's 400
+    with RewardServer(make_reward("color"), host="127.0.0.1", port=0) as server:
+        RemoteReward(server.url, retries=0, timeout=20).probe()  # a reward without sources needs none
+
+
 def test_send_sources_without_sources_is_refused_before_any_request(edit_server: RewardServer) -> None:
     images, sources = batch()
     remote = RemoteReward(edit_server.url, retries=0, timeout=20, send_sources=True)
