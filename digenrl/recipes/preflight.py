@@ -124,7 +124,8 @@ def check_reward(cfg: Config) -> None:
         return  # a served reward's failures can never stop this run: nothing to probe
     if "remote" in r.weights:
         try:
-            RemoteReward(r.url, timeout=r.timeout, retries=r.retries, image_format=r.image_format).probe()
+            RemoteReward(r.url, timeout=r.timeout, retries=r.retries, image_format=r.image_format,
+                         send_sources=r.remote_sources).probe()
         except (RewardError, ValueError) as exc:
             raise ConfigError(f"reward.url: {exc}") from None
     if "vlm_judge" in r.weights:

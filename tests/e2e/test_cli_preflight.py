@@ -271,3 +271,19 @@ def test_a_reward_whose_failures_never_stop_the_run_is_not_probed() -> None:
                                       "--set", f"reward.url='http://127.0.0.1:{_closed_port()}/score'",
                                       "--set", "reward.on_error=penalty", "--set", "reward.max_failure_fraction=1.0"])
     assert result.exit_code == 0, result.output
+
+
+def test_an_edit_run_against_an_edit_reward_server_needs_remote_sources(tmp_path: Path) -> None:
+    """configs/qwenimage_edit.toml weights a served reward; served edit_consistency needs the input images:
+    validate refuses in one line naming reward.remote_sources until the run sends them."""
+    from digenrl.rewards.edit import EditConsistencyReward
+
+    with RewardServer(EditConsistencyReward()) as server:
+        ready = _ready("configs/qwenimage_edit.toml", tmp_path, server.url)
+        result = CliRunner().invoke(app, ["validate", "configs/qwenimage_edit.toml", *ready])
+        assert result.exit_code == 2, result.output
+        line = " ".join(result.output.split())
+        assert line.startswith("config error: reward.url: ") and "set reward.remote_sources = true" in line, line
+        result = CliRunner().invoke(app, ["validate", "configs/qwenimage_edit.toml", *ready,
+                                          "--set", "reward.remote_sources=true"])
+        assert result.exit_code == 0, result.output
