@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import math
 from pathlib import Path
 from typing import Any
@@ -69,6 +70,9 @@ VAE_IMAGE_AREA = 1024 * 1024  # both pipelines' VAE (latent conditioning) image 
 _TINY_VL_PIXELS = 112 * 112  # the tiny processor's max_pixels: at most 4x4 merged image tokens
 _REAL_VL_PIXELS = 28 * 28 * 1280  # Qwen2VLImageProcessor's default max_pixels
 _PIPELINE_DROP = 64  # QwenImageEdit(Plus)Pipeline.prompt_template_encode_start_idx (system-prompt tokens, real vocabulary)
+_ASPECT_TOLERANCE = 0.02  # relative: an input image this close to the output's aspect is not called stretched
+
+log = logging.getLogger(__name__)
 
 
 def conditioning_area(preset: str, image_area: int, height: int, width: int) -> int:
@@ -192,6 +196,7 @@ class QwenImageEditModel(QwenImageModel):
         if self.image_hw[0] % mult or self.image_hw[1] % mult:
             raise ConfigError(f"model: conditioning images of {self.image_hw} are not multiples of {mult}")
         self.image_tokens = (self.image_hw[0] // mult) * (self.image_hw[1] // mult)  # per input image
+        self._told_aspect = False  # the stretched-input warning is given once per model
 
     # -- conditioning ---------------------------------------------------------------------------
 
@@ -210,6 +215,7 @@ class QwenImageEditModel(QwenImageModel):
     def _encode_one(self, prompt: str) -> Cond:
         text, images = prompt_inputs(prompt, self.variant)
         h, w = self.image_hw
+        self._tell_if_stretched(text, images)
         proc = self.pipe.image_processor
         if self.plus:
             # the text encoder's images keep their own aspects (384² each), as the Plus pipeline's
@@ -227,6 +233,20 @@ class QwenImageEditModel(QwenImageModel):
             cond.update({f"{key}_embeds": emb, f"{key}_mask": mask})
         cond["image_latents"] = torch.cat([self._image_latents(px) for px in pixels], dim=1)
         return cond
+
+    def _tell_if_stretched(self, text: str, images: list[Any]) -> None:
+        """Warn once when an input image's aspect is not the output's: the stock pipelines condition on it at its
+        own aspect (and default the output to it); a run's batches need one size, so it is stretched here."""
+        want = self.width / self.height
+        off = [img for img in images if abs(img.width / img.height / want - 1) > _ASPECT_TOLERANCE]
+        if off and not self._told_aspect:
+            self._told_aspect = True
+            img = off[0]
+            log.warning("qwenimage_edit: input image of %dx%d (aspect %.3f) for %r is stretched to the output's "
+                        "aspect %.3f (model.resolution = [%d, %d]); the stock pipelines keep an input's aspect and "
+                        "make the output the same: set model.resolution to your images' aspect, or crop them "
+                        "(said once)", img.width, img.height, img.width / img.height, text[:40], want,
+                        self.height, self.width)
 
     def _image_latents(self, pixels: torch.Tensor) -> torch.Tensor:
         """``[1, 3, H, W]`` in [-1, 1] -> packed normalised latents ``[1, image_tokens, 64]`` (the pipelines' steps)."""

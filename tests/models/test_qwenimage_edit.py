@@ -162,3 +162,22 @@ def test_a_config_without_a_jsonl_prompt_file_is_refused_at_load() -> None:
     assert ok.model.name == "qwenimage_edit"
     with pytest.raises(ConfigError, match=r"model.image_area: .*only qwenimage_edit"):
         config_from_dict({"model": {"name": "qwenimage", "image_area": 1024}})
+
+
+def test_an_input_image_of_another_aspect_is_said_to_be_stretched_once(tmp_path: Path, caplog) -> None:
+    """The stock pipelines keep an input image's aspect; a run stretches it to the output's: the user is told,
+    once, with both aspects and the key to change. A square input at a square output says nothing."""
+    import logging
+
+    wide = tmp_path / "wide.png"
+    Image.new("RGB", (64, 32), (200, 30, 30)).save(wide)
+    m = load_model("qwenimage_edit", "tiny", resolution=(32, 32))
+    caplog.set_level(logging.WARNING, logger="digenrl.models.qwenimage_edit")
+    m.encode_prompts([edit_prompt("make it blue", [RED])])
+    assert not caplog.records
+    cond = m.encode_prompts([edit_prompt("make it blue", [str(wide)])] * 2)
+    assert cond["image_latents"].shape[1] == m.image_tokens  # conditioned at the run's one size all the same
+    assert [r.getMessage() for r in caplog.records] == [
+        "qwenimage_edit: input image of 64x32 (aspect 2.000) for 'make it blue' is stretched to the output's aspect "
+        "1.000 (model.resolution = [32, 32]); the stock pipelines keep an input's aspect and make the output the "
+        "same: set model.resolution to your images' aspect, or crop them (said once)"]
