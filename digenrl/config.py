@@ -235,11 +235,14 @@ class RolloutConfig:
         _check("rollout.noise_level", self.noise_level > 0, "> 0 (trained steps need noise)", self.noise_level)
         _choice("rollout.sde", self.sde, SDE_KINDS)
         _choice("rollout.steps", self.steps, STEP_MODES)
-        _check("rollout.window", 1 <= self.window <= self.num_steps - 1, f"in 1..{self.num_steps - 1}", self.window)
-        lo_hi = self.window_range
-        _check("rollout.window_range", not lo_hi or (len(lo_hi) == 2 and 0 <= lo_hi[0] <= lo_hi[1]
-               and lo_hi[1] + self.window <= self.num_steps - 1),
-               f"[] or [lo, hi] with 0 <= lo <= hi <= {self.num_steps - 1 - self.window} (num_steps - 1 - window)", lo_hi)
+        if self.steps == "window":  # (the window keys mean nothing to the other modes: fewer steps need no new window)
+            _check("rollout.window", 1 <= self.window <= self.num_steps - 1,
+                   f"in 1..{self.num_steps - 1} (rollout.num_steps - 1: the last step is never trained)", self.window)
+            lo_hi = self.window_range
+            _check("rollout.window_range", not lo_hi or (len(lo_hi) == 2 and 0 <= lo_hi[0] <= lo_hi[1]
+                   and lo_hi[1] + self.window <= self.num_steps - 1),
+                   f"[] or [lo, hi] with 0 <= lo <= hi <= {self.num_steps - 1 - self.window} (num_steps - 1 - window)",
+                   lo_hi)
         _check("rollout.fraction", 0 < self.fraction <= 1, "in (0, 1]", self.fraction)
         _check("rollout.group_size", self.group_size >= 2, ">= 2 (advantages compare within a group)", self.group_size)
         _check("rollout.prompts_per_batch", self.prompts_per_batch >= 1, ">= 1", self.prompts_per_batch)

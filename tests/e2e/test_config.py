@@ -37,7 +37,7 @@ def test_shipped_config_loads_with_overrides() -> None:
         ("train.lr=-1", r"train.lr: must be > 0"),
         ("rollout.sde=ode", r"rollout.sde: 'ode' is not allowed; allowed: 'sde', 'wan', 'dance', 'cps'"),
         ("rollout.group_size=1", r"rollout.group_size: must be >= 2"),
-        ("rollout.window=99", r"rollout.window: must be in 1\.\.2"),
+        ("rollout.window=99", r"rollout.window: must be in 1\.\.2 \(rollout.num_steps - 1"),
         ("rollout.window_range=[4,5]", r"rollout.window_range: must be \[\] or \[lo, hi\] with 0 <= lo <= hi <= 1"),
         ("model.name=sd9", r"model.name: 'sd9' is not allowed; allowed: 'qwenimage', .*'flux'.*'sd3'"),
         ("model.preset=pretrained;model.vae_init=signal;model.init=''", r"model.vae_init: must be 'default' for pretrained weights"),
@@ -80,6 +80,16 @@ def test_shipped_config_loads_with_overrides() -> None:
 def test_bad_values_name_the_key_and_the_allowed_values(override: str, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         load_config(TINY, override.split(";"))
+
+
+def test_the_window_keys_bind_only_the_window_mode() -> None:
+    """Fewer steps under all_but_last need no new window: the default window = 2 of a 2-step run is not refused
+    (it was, naming a key the user never set); in window mode it still is."""
+    two = load_config(TINY, ["rollout.steps=all_but_last", "rollout.num_steps=2", "rollout.window=2",
+                             "rollout.window_range=[]"])
+    assert two.rollout.num_steps == 2
+    with pytest.raises(ConfigError, match=r"rollout.window: must be in 1\.\.1"):
+        load_config(TINY, ["rollout.num_steps=2", "rollout.window=2", "rollout.window_range=[]"])
 
 
 def test_actor_settings_load_with_overrides() -> None:
