@@ -10,7 +10,8 @@ from typer.testing import CliRunner
 
 from digenrl.config import load_config
 from digenrl.errors import ConfigError
-from digenrl.plan.fleet import _variant, config_profile, plan_fleet
+from digenrl.plan._split_search import placed_config
+from digenrl.plan.fleet import config_profile, plan_fleet
 from digenrl.plan.memory import check_memory, traces_for
 from digenrl.sim.user import fleet_pools, load_scenario
 from digenrl_cli.main import app
@@ -45,7 +46,7 @@ def test_user_scenario_runs_in_bench_bubbles(tmp_path: Path) -> None:
 
 
 def _assert_fits(cfg, cand) -> None:
-    check_memory(_variant(cfg, cand.rollout, cand.trainer, cand.tag_steps, cand.fragment_groups, cand.rows_per_pass))
+    check_memory(placed_config(cfg, cand.rollout, cand.trainer, cand.tag_steps, cand.fragment_groups, cand.rows_per_pass))
 
 
 def test_planner_never_returns_a_placement_that_does_not_fit() -> None:
@@ -110,7 +111,7 @@ def test_split_search_stops_at_a_split_that_does_not_fit() -> None:
     for cand in result.candidates:
         _assert_fits(cfg, cand)
     with pytest.raises(ConfigError, match="memory: the trainer role"):
-        check_memory(_variant(cfg, {"H800": 3}, {"H800": 5}, 1, 1, 1))
+        check_memory(placed_config(cfg, {"H800": 3}, {"H800": 5}, 1, 1, 1))
     # priced as the coordinator runs FSDP trainers: they do not generate (TAG off), so no helper tokens
     from digenrl.policy import trained_steps
     from digenrl.schedule import make_schedule

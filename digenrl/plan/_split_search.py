@@ -1,0 +1,295 @@
+"""The candidates of one ``plan --fleet`` search: a fleet's devices in generation order, each placement
+(split, token sizes) simulated once and remembered, and the search steps over them (``fleet.plan_fleet``
+runs them; its module docstring says why each step is what it is).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from digenrl.config import Config, resolve_shard
+from digenrl.errors import ConfigError
+from digenrl.plan.memory import GB, MemoryPlan, Traces, memory_plan
+from digenrl.schedule import make_schedule
+from digenrl.schedule.base import Device, Role, Workload
+from digenrl.schedule.options import PRESETS, resolve, with_overrides
+from digenrl.sim.bench import pool_bubbles
+from digenrl.sim.cost import CostModel
+from digenrl.sim.devices import device_spec
+from digenrl.sim.engine import simulate
+from digenrl.sim.measured import MeasuredCost
+from digenrl.sim.profiles import ModelProfile
+from digenrl.sim.user import Pool
+from digenrl.telemetry.stats import summarize
+
+Key = tuple[int, int, int]  # (rollout devices, tag_steps, fragment_groups); 0 sizes: the schedule's defaults
+
+
+@dataclass
+class Candidate:
+    """One placement and its predicted figures."""
+
+    rollout: dict[str, int]  # device type -> rollout devices of that type
+    trainer: dict[str, int]
+    tag_steps: int
+    fragment_groups: int
+    rows_per_pass: int
+    samples_per_s: float = 0.0
+    bubble_rollout: float = 0.0
+    bubble_trainer: float = 0.0
+    staleness: int = 0
+    bubble_by_pool: dict[str, float] = field(default_factory=dict)  # device type -> mean bubble, any role
+    memory: dict[str, dict[str, float]] = field(default_factory=dict)  # role -> {gb, capacity_gb, device}
+    shipped: bool = False  # the config's own placement and token sizes
+
+    @property
+    def ident(self) -> tuple[object, ...]:
+        return tuple(self.rollout.items()), tuple(self.trainer.items()), self.tag_steps, self.fragment_groups
+
+    @property
+    def split(self) -> str:
+        def side(d: dict[str, int]) -> str:
+            return "+".join(f"{n}x{t}" for t, n in d.items() if n) or "0"
+        return f"rollout {side(self.rollout)} / trainer {side(self.trainer)}"
+
+    def to_json(self) -> dict[str, Any]:
+        return {**dataclasses.asdict(self), "split": self.split}
+
+
+def placed_config(cfg: Config, rollout: dict[str, int], trainer: dict[str, int], tag_steps: int, fragment_groups: int,
+             rows: int) -> Config:
+    """``cfg`` placed as the candidate says (types: the trainers' for ``gpu``, the rollout's for ``rollout_gpu``)."""
+    n_roll, n_train = sum(rollout.values()), sum(trainer.values())
+    gpu = smallest_type(trainer)
+    rollout_gpu = smallest_type(rollout) if n_roll else ""
+    # A fleet's device hosts one actor: the split counts devices (actors_per_gpu = 1)
+    place = replace(cfg.placement, rollout=n_roll, trainer=n_train, gpu=gpu, actors_per_gpu=1,
+                    rollout_gpu="" if rollout_gpu == gpu else rollout_gpu,
+                    workers=(n_roll + n_train + cfg.placement.reward) if cfg.placement.workers else 0)
+    sched = replace(cfg.schedule, tag_steps=tag_steps, fragment_groups=fragment_groups)
+    return replace(cfg, placement=place, schedule=sched, train=replace(cfg.train, rows_per_pass=rows),
+                   model=replace(cfg.model, device="cuda"))
+
+
+def smallest_type(types: dict[str, int]) -> str:
+    """The device type with the least memory among those used (a role must fit all of them)."""
+    used = [t for t, n in types.items() if n]
+    return min(used, key=lambda t: device_spec(t).memory_bytes) if used else "H100"
+
+
+def max_rows(cfg: Config, traces: Traces, cap_rows: int) -> tuple[int, MemoryPlan | None]:
+    """The most training rows per pass (up to ``cap_rows``) with which every role fits, and that plan."""
+
+    def plan(rows: int) -> MemoryPlan:
+        return memory_plan(replace(cfg, train=replace(cfg.train, rows_per_pass=rows)), traces)
+
+    best = plan(1)
+    if not best.fits:
+        return 0, None
+    lo, hi = 1, cap_rows
+    while lo < hi:  # activations grow with the rows, so fitting is monotone
+        mid = (lo + hi + 1) // 2
+        candidate = plan(mid)
+        if candidate.fits:
+            lo, best = mid, candidate
+        else:
+            hi = mid - 1
+    return lo, best
+
+
+
+
+class SplitSearch:
+    """Placements of ``cfg`` on ``pools``, simulated for ``workload`` and memoised by :data:`Key`.
+
+    Devices are ordered by how much they should generate (those that may not train first, then the
+    slowest); a split is "the first R devices generate", R in ``lo..hi``.
+
+    Raises:
+        ConfigError: no device type holds a trainer, or no split leaves both a trainer and a rollout device.
+    """
+
+    def __init__(self, cfg: Config, pools: tuple[Pool, ...], traces: Traces, workload: Workload,
+                 fitted: ModelProfile, params: dict[str, float], measured: MeasuredCost | None) -> None:
+        self.cfg, self.traces, self.workload = cfg, traces, workload
+        self.fitted, self.params, self.measured = fitted, params, measured
+        self.tag = PRESETS[cfg.schedule.name].tag
+        self.opts = with_overrides(PRESETS[cfg.schedule.name], cfg.schedule_options)
+        self.ref = device_spec("H800").peak_bf16_flops
+        self.results: dict[Key, Candidate | None] = {}  # None: that split or its sizes do not fit
+        self.simulations = 0
+        self._place_roles(pools)
+
+    # -- the fleet's devices ---------------------------------------------------------------------------
+    def _place_roles(self, pools: tuple[Pool, ...]) -> None:
+        """Which device types may hold which role (memory at the smallest token sizes), their order, lo..hi."""
+        cfg = self.cfg
+        n_total = sum(p.count for p in pools)
+
+        def role_ok(role: str, dtype: str) -> bool:
+            probe = placed_config(cfg, {dtype: 1}, {dtype: max(1, n_total - 1)}, 1, 1, 1)
+            return memory_plan(probe, self.traces).roles[role].fits
+
+        types = {p.device for p in pools}
+        self.may_roll = {t for t in types if any(p.device == t and "rollout" in p.roles for p in pools)
+                         and role_ok("rollout", t)}
+        self.may_train = {t for t in types if any(p.device == t and "trainer" in p.roles for p in pools)
+                          and role_ok("trainer", t)}
+        self.unused = [f"{p.count}x{p.device} (no role fits its {device_spec(p.device).memory_bytes / GB:.0f} GB or "
+                       "is allowed)" for p in pools if p.device not in self.may_roll | self.may_train]
+        if not self.may_train:
+            raise ConfigError(f"the fleet has no device type whose memory holds a trainer of {cfg.model.name} "
+                              "(see `digenrl plan CONFIG`); change train.rows_per_pass, train.grad_checkpointing, "
+                              "train.shard or model.finetune, or add larger devices")
+        # devices in generation-preference order: rollout-only first, then slowest first
+        self.order: list[str] = []
+        for p in sorted(pools, key=lambda p: (p.device in self.may_train, device_spec(p.device).peak_bf16_flops)):
+            if p.device in self.may_roll | self.may_train:
+                self.order += [p.device] * p.count
+        must_roll = sum(1 for t in self.order if t not in self.may_train)
+        can_roll = sum(1 for t in self.order if t in self.may_roll)
+        # 0 rollout devices: the trainers generate
+        self.lo = must_roll if self.trainers_generate(len(self.order)) else max(1, must_roll)
+        self.hi = min(can_roll, len(self.order) - 1)
+        if self.lo > self.hi:
+            raise ConfigError(f"no split of the fleet leaves both a trainer and (for {cfg.schedule.name}) a rollout "
+                              "device that fit their memory")
+
+    def trainers_generate(self, n_train: int) -> bool:
+        """TAG on ``n_train`` trainers: FSDP ones do not generate (a forward is a collective of the group),
+        as ``Config.trainers_generate`` and the coordinator say."""
+        return self.tag and resolve_shard(self.cfg.train.shard, self.cfg.model.finetune, n_train) != "fsdp"
+
+    def _sides(self, r: int) -> tuple[dict[str, int], dict[str, int]]:
+        roll: dict[str, int] = {}
+        train: dict[str, int] = {}
+        for i, t in enumerate(self.order):
+            side = roll if i < r else train
+            side[t] = side.get(t, 0) + 1
+        return roll, train
+
+    # -- one candidate -----------------------------------------------------------------------------
+    def evaluate(self, r: int, tag_steps: int, groups: int) -> Candidate | None:
+        """The candidate of ``r`` rollout devices with these token sizes, simulated (None: it does not fit)."""
+        key = (r, tag_steps, groups)
+        if key in self.results:
+            return self.results[key]
+        roll, train = self._sides(r)
+        n_roll, n_train = sum(roll.values()), sum(train.values())
+        if n_train == 0 or any(t not in self.may_train for t in train) or any(t not in self.may_roll for t in roll):
+            self.results[key] = None  # known, so the search's climb does not ask again
+            return None
+        sizes = resolve(replace(self.opts, tag_steps=tag_steps or None, fragment_groups=groups or None),
+                        self.workload, n_roll, n_train)
+        variant = placed_config(self.cfg, roll, train, sizes.tag_steps, sizes.fragment_groups, 1)
+        rows, plan = max_rows(variant, self.traces, max(1, sizes.train_pack))
+        if plan is None:
+            self.results[key] = None
+            return None
+        cand = Candidate(roll, train, sizes.tag_steps, sizes.fragment_groups, rows,
+                         memory={name: {"gb": m.bytes_per_device / GB, "capacity_gb": m.capacity / GB,
+                                        "device": m.device} for name, m in plan.roles.items()})
+        self.run(cand, r, self.workload)
+        self.results[key] = cand
+        return cand
+
+    def run(self, cand: Candidate, r: int, w: Workload) -> None:
+        """Simulate ``cand`` (its first ``r`` devices generate) for ``w`` and record the steady figures."""
+        cfg, measured = self.cfg, self.measured
+        names, specs, roles = [], {}, {}
+        for i, t in enumerate(self.order):
+            name = f"{t.lower()}-{i}"
+            names.append(name)
+            specs[name] = device_spec(t)
+            roles[name] = Role.ROLLOUT if i < r else Role.TRAINER
+        # measured costs are already this device's seconds: speed 1
+        devices = [Device(n, roles[n], 1.0 if measured else specs[n].peak_bf16_flops / self.ref) for n in names]
+        cost: MeasuredCost | CostModel = measured or CostModel(self.fitted, specs, self.params, roles)
+        schedule = make_schedule(cfg.schedule.name, devices, w, cost, tag_steps=cand.tag_steps,
+                                 **({"tag": False} if self.tag and not self.trainers_generate(len(self.order) - r)
+                                    else {}),
+                                 fragment_groups=cand.fragment_groups,
+                                 **{k: v for k, v in cfg.schedule_options.items() if k not in ("tag_steps",
+                                                                                               "fragment_groups")},
+                                 **({"staleness": cfg.schedule.staleness} if cfg.schedule.staleness else {}))
+        # measured on one host: its processes share its cores as the bench measured (None: each owns its compute)
+        res = simulate(schedule, devices, w, cost, contention=measured.contention if measured else None)
+        st = summarize(res)
+        self.simulations += 1
+        cand.bubble_by_pool = pool_bubbles(res, sorted(set(self.order)), st.steady.start, st.steady.end)
+        cand.samples_per_s, cand.staleness = st.steady.samples_per_s, st.max_staleness
+        cand.bubble_rollout, cand.bubble_trainer = st.steady.bubble_rollout, st.steady.bubble_trainer
+
+    def _score(self, key: Key) -> float:
+        return self._score_of(self.results.get(key))
+
+    # -- the search steps ----------------------------------------------------------------------------
+    def best_split(self, tag_steps: int, groups: int) -> int:
+        """Step 1: the split, coarse to fine, with the given token sizes; returns the best R."""
+        lo, hi = self.lo, self.hi
+        step = max(1, math.ceil((hi - lo) / 8))
+        grid = sorted({*range(lo, hi + 1, step), hi})
+        best_r = max(grid, key=lambda r: self._score_of(self.evaluate(r, tag_steps, groups)))
+        while step > 1:
+            step = max(1, step // 2)
+            for r in (best_r - step, best_r + step):
+                if lo <= r <= hi:
+                    self.evaluate(r, tag_steps, groups)
+            best_r = self._best_known(tag_steps, groups)
+        # then climb one device at a time until both neighbours of the best are known: halving a step of 3 to 1
+        # looks only next to the coarse best, and the best can move off it (hetero-flux: 9 -> 8, then 7 unseen)
+        while fresh := [r for r in (best_r - 1, best_r + 1)
+                        if lo <= r <= hi and (r, tag_steps, groups) not in self.results]:
+            for r in fresh:
+                self.evaluate(r, tag_steps, groups)
+            best_r = self._best_known(tag_steps, groups)
+        return best_r
+
+    @staticmethod
+    def _score_of(c: Candidate | None) -> float:
+        return c.samples_per_s if c else -1.0
+
+    def _best_known(self, tag_steps: int, groups: int) -> int:
+        return max((k[0] for k in self.results if k[1:] == (tag_steps, groups)),
+                   key=lambda r: self._score((r, tag_steps, groups)))
+
+    def top_splits(self, tag_steps: int, groups: int, n: int = 3) -> list[int]:
+        """The ``n`` best splits evaluated, by their score with the given token sizes."""
+        return sorted({k[0] for k in self.results}, key=lambda r: -self._score((r, tag_steps, groups)))[:n]
+
+    def tune_sizes(self, splits: list[int]) -> None:
+        """Step 2: ``tag_steps`` and ``fragment_groups`` on a small grid for each of ``splits``."""
+        ro = self.cfg.rollout
+        quarter = max(1, math.ceil(ro.num_steps / 4))
+        tag_options = sorted({1, 2, quarter, math.ceil(quarter / 2)}) if self.tag else [0]
+        group_options = sorted({g for g in (1, 2, 4) if g <= ro.prompts_per_batch} | {0})
+        for r in splits:
+            for t in tag_options:
+                for g in group_options:
+                    self.evaluate(r, t, g)
+
+    def ranked(self) -> list[Candidate]:
+        """Every candidate that fits, best first, each placement once (two keys can resolve to the same sizes).
+
+        Raises:
+            ConfigError: none fits.
+        """
+        # ties (a trainer-bound pipeline runs at the trainers' pace whatever the rollout side does): fewer idle
+        # devices first
+        ranked = rank([c for c in self.results.values() if c is not None])
+        seen, unique = set(), []
+        for c in ranked:
+            if c.ident not in seen:
+                seen.add(c.ident)
+                unique.append(c)
+        if not unique:
+            raise ConfigError("no placement of the fleet fits the memory plan; see `digenrl plan CONFIG`")
+        return unique
+
+
+def rank(candidates: list[Candidate]) -> list[Candidate]:
+    """Best first: faster, then (ties) fewer idle devices."""
+    return sorted(candidates, key=lambda c: (-round(c.samples_per_s, 6), c.bubble_rollout + c.bubble_trainer))
