@@ -100,8 +100,6 @@ def max_rows(cfg: Config, traces: Traces, cap_rows: int) -> tuple[int, MemoryPla
     return lo, best
 
 
-
-
 class SplitSearch:
     """Placements of ``cfg`` on ``pools``, simulated for ``workload`` and memoised by :data:`Key`.
 
