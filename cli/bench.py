@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import typer
 
@@ -80,27 +80,13 @@ def bubbles(
         _real(schedule or None, batches, out, repeats, config, set_ or [])
         return
     from rich.console import Console
-    from rich.table import Table
 
     from digenrl.errors import ConfigError
-    from digenrl.schedule import SCHEDULES
     from digenrl.sim.bench import run_bubbles
-    from digenrl.sim.peers import PEERS
-    from digenrl.sim.profiles import profile
-    from digenrl.sim.scenarios import SCENARIOS
 
     console = Console(width=max(Console().width, 150))
     if list_:
-        table = Table(title="scenarios")
-        for col in ("name", "kind", "model", "testbed", "batch (prompts x G)", "steps / trained"):
-            table.add_column(col)
-        for s in SCENARIOS.values():
-            table.add_row(escape(s.name), escape(s.kind), escape(profile(s.model).name), escape(s.testbed),
-                          f"{s.prompts} x {s.group_size}", f"{s.num_steps} / {s.trained_steps}")
-        console.print(table)
-        console.print("schedules: " + escape(", ".join(SCHEDULES)))
-        peers = "; ".join(f"{p.name} = {p.system}" for p in PEERS.values())
-        console.print(f"peers (modelled baselines): {escape(peers)}")
+        _list_scenarios(console)
         return
     try:
         from digenrl.sim.measured import MeasuredCost
@@ -112,6 +98,34 @@ def bubbles(
     except ConfigError as exc:
         print_error(console, exc, "error")
         raise typer.Exit(2) from exc
+    _print_report(console, report, batches)
+
+
+def _list_scenarios(console: Console) -> None:
+    """``--list``: the scenarios, schedules and modelled peers."""
+    from rich.table import Table
+
+    from digenrl.schedule import SCHEDULES
+    from digenrl.sim.peers import PEERS
+    from digenrl.sim.profiles import profile
+    from digenrl.sim.scenarios import SCENARIOS
+
+    table = Table(title="scenarios")
+    for col in ("name", "kind", "model", "testbed", "batch (prompts x G)", "steps / trained"):
+        table.add_column(col)
+    for s in SCENARIOS.values():
+        table.add_row(escape(s.name), escape(s.kind), escape(profile(s.model).name), escape(s.testbed),
+                      f"{s.prompts} x {s.group_size}", f"{s.num_steps} / {s.trained_steps}")
+    console.print(table)
+    console.print("schedules: " + escape(", ".join(SCHEDULES)))
+    peers = "; ".join(f"{p.name} = {p.system}" for p in PEERS.values())
+    console.print(f"peers (modelled baselines): {escape(peers)}")
+
+
+def _print_report(console: Console, report: Any, batches: int) -> None:
+    """The simulated rows as a table, then what priced them and where their files are."""
+    from rich.table import Table
+
     table = Table(title=f"digenrl bench bubbles ({batches} batches, steady window: warm-up batch excluded)")
     for col in ("scenario", "split R/T", "schedule", "samples/s", "speedup", "bound", "bubble roll", "bubble train",
                 "bubble all", "stale", "sync %", "switch %", "aborted %"):
