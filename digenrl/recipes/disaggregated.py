@@ -221,22 +221,8 @@ async def arun_disaggregated(cfg: Config, out_dir: str | Path | None = None, res
     # already; library callers get the same refusals here instead of a remote traceback).
     preflight(cfg)
     out = Path(out_dir or cfg.log.out or default_out_dir())
-    base, history, ckpt = 0, [], None
     options: dict[str, Any] = dict(cfg.schedule_options)
-    if resume is not None:
-        ckpt = find_checkpoint(resume)
-        state = load_state(ckpt)
-        base, history = state["version"], list(state.get("history", []))[: state["version"]]
-        log.info("resuming from %s at version %d", ckpt, base)
-        if _staleness(cfg) and base > 0:
-            # Batch `base` was generated with version base - 1: the checkpoint holds those weights too.
-            if (ckpt / PREVIOUS_WEIGHTS).is_file():
-                options["previous_version"] = True
-            else:
-                log.warning("checkpoint %s has no %s (written by an on-policy schedule or an older digenrl): "
-                            "batch %d is generated with version %d instead of %d, so the metrics after resume differ "
-                            "slightly from an uninterrupted %s run", ckpt, PREVIOUS_WEIGHTS, base, base, base - 1,
-                            sched.name)
+    base, history, ckpt = _resume_from(cfg, resume, options)
     if base >= cfg.train.iterations:  # a finished run: its table, nothing else
         if logc.live:
             LiveDisplay.show(cfg.train.iterations, f"digenrl {sched.name}", history)
@@ -311,11 +297,37 @@ async def arun_disaggregated(cfg: Config, out_dir: str | Path | None = None, res
                 on_result(result, coordinator.token_log, coordinator.overhead_log)
             if write_files:
                 write_artifacts(out, result, logc.trace, logc.gantt)
-                (out / "summary.json").write_text(json.dumps({**run_stats(result),
-                                                              "lost_devices": coordinator.lost_devices,
-                                                              "admitted": coordinator.admitted,
-                                                              "peak_memory": await _peaks(cluster)}, indent=1))
+                await _write_summary(out, result, coordinator, cluster)
     return history
+
+
+async def _write_summary(out: Path, result: Timeline, coordinator: Coordinator, cluster: Cluster) -> None:
+    """``summary.json``: the run's bubble and throughput figures, lost and admitted devices, peak memory."""
+    (out / "summary.json").write_text(json.dumps({**run_stats(result), "lost_devices": coordinator.lost_devices,
+                                                  "admitted": coordinator.admitted,
+                                                  "peak_memory": await _peaks(cluster)}, indent=1))
+
+
+def _resume_from(cfg: Config, resume: str | Path | None,
+                 options: dict[str, Any]) -> tuple[int, list[dict[str, Any]], Path | None]:
+    """``(version, history, checkpoint)`` to start from (``0, [], None`` without ``resume``); a one-step-stale
+    schedule's ``options`` learn whether the checkpoint holds the previous version's weights too."""
+    if resume is None:
+        return 0, [], None
+    ckpt = find_checkpoint(resume)
+    state = load_state(ckpt)
+    base, history = state["version"], list(state.get("history", []))[: state["version"]]
+    log.info("resuming from %s at version %d", ckpt, base)
+    if _staleness(cfg) and base > 0:
+        # Batch `base` was generated with version base - 1: the checkpoint holds those weights too.
+        if (ckpt / PREVIOUS_WEIGHTS).is_file():
+            options["previous_version"] = True
+        else:
+            log.warning("checkpoint %s has no %s (written by an on-policy schedule or an older digenrl): "
+                        "batch %d is generated with version %d instead of %d, so the metrics after resume differ "
+                        "slightly from an uninterrupted %s run", ckpt, PREVIOUS_WEIGHTS, base, base, base - 1,
+                        cfg.schedule.name)
+    return base, history, ckpt
 
 
 async def _peaks(cluster: Cluster) -> dict[str, dict[str, Any]]:
