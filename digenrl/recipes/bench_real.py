@@ -28,7 +28,7 @@ The colocated row's simulator input is its own phase timings, so its ``sim_error
 construction.
 
 With an actor schedule the report also carries the costs ``digenrl plan --costs`` reads (costs
-version 2, ``recipes/measure_costs.py``): per-kind fits over every actor run's tokens, to which the
+version 3, ``recipes/measure_costs.py``): per-kind fits over every actor run's tokens, to which the
 first actor schedule at finer tokens (row ``real-<schedule>-fine``) adds a second token size, the
 coordinator's per-token overhead, one trainer's optimizer step, the publication and a measured
 2-process all-reduce of the trainable set, and the contention per running-kind mix fitted to every
@@ -57,9 +57,10 @@ import json
 import logging
 import os
 import statistics
+import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from digenrl.actors.loop import run as run_loop
 from digenrl.config import ACTOR_SCHEDULES, load_config
@@ -309,6 +310,339 @@ def fine_overrides(cfg: Any) -> list[str]:
     return ["schedule.tag_steps=1", f"schedule.fragment_groups={groups}", f"schedule.step_chunk={chunk}"]
 
 
+_Spec = tuple[str, str, list[str]]  # one row's (row key, schedule, extra overrides)
+
+
+class _ActorRun(NamedTuple):
+    """One round's real run of an actor row."""
+
+    result: Timeline
+    tokens: list[tuple[Token, float]]
+    wall: float
+    devices: list[Device]
+    load: float  # busy cores before it
+    samples_per_s: float  # steady
+
+
+def _run_root(out: Path | None, tmp: tempfile.TemporaryDirectory[str] | None) -> Path:
+    """Where the runs write their files: ``out`` (created), else the temp dir ``tmp``."""
+    root = Path(tmp.name) if tmp is not None else out
+    assert root is not None
+    root.mkdir(parents=True, exist_ok=True)
+    return root
+
+
+def _checked_schedules(schedules: list[str] | None, num_batches: int, repeats: int) -> list[str]:
+    """The schedules to run (default ``REAL_DEFAULT_SCHEDULES``); a bad argument raises ``ConfigError`` naming it."""
+    chosen = list(schedules or REAL_DEFAULT_SCHEDULES)
+    for s in chosen:
+        if s != "colocated" and s.removesuffix("+reward") not in ACTOR_SCHEDULES:
+            raise ConfigError(f"unknown schedule {s!r}; known: colocated, {', '.join(ACTOR_SCHEDULES)}")
+    if num_batches < 2:
+        raise ConfigError(f"num_batches={num_batches}: needs at least 2 (the first batch is the warm-up window)")
+    if repeats < 1:
+        raise ConfigError(f"repeats={repeats}: needs at least 1")
+    return chosen
+
+
+def _row_specs(chosen: list[str], config: Path, base: list[str], splits: bool, fine_tokens: bool
+               ) -> tuple[list[_Spec], str | None]:
+    """Every row to run, and the actor schedule that also runs at the other splits and at finer tokens."""
+    # (row key, schedule, extra overrides): each chosen schedule, then the fine-token calibration run
+    specs = [(s, s, ["placement.reward=1"] if s.endswith("+reward") else []) for s in chosen]
+    probe = load_config(config, base)
+    actors = [s.removesuffix("+reward") for s in chosen if s != "colocated"]
+    # the config's own schedule when it runs here (its TAG helper tokens are what `plan` sizes), else the first
+    actor = probe.schedule.name if probe.schedule.name in actors else next(iter(actors), None)
+    if splits and actor is not None:
+        specs += [(f"{actor}@{r}r{t}t", actor, [f"placement.rollout={r}", f"placement.trainer={t}"])
+                  for r, t in other_splits(config, [*base, f"schedule.name={actor}"])]
+    if fine_tokens and actor is not None:
+        specs.append((f"{actor}-fine", actor, fine_overrides(probe)))
+    return specs, actor
+
+
+def _busy_counts(config: Path, base: list[str], specs: list[_Spec]) -> range:
+    """The busy-process counts to measure: 2 (the ceiling) up to the most actor processes a row runs."""
+    return range(2, max([2, *(_actor_processes(load_config(config, [*base, *extra])) for s, _, extra in specs
+                              if s != "colocated")]) + 1)
+
+
+def _colocated_rows(cfg: Any, sched: str, num_batches: int) -> tuple[list[dict[str, Any]], MeasuredCost]:
+    """A row per thread count of the colocated loop (the config's, then one), and the last run's costs."""
+    rows = []
+    # Both cores in one process (the baseline), and one core: on a loaded machine a
+    # 2-thread OpenMP process can stall at its barriers, so both figures are reported.
+    for threads in dict.fromkeys((cfg.placement.threads, 1)):
+        start, load = time.perf_counter(), _load()
+        threaded = dataclasses.replace(cfg, placement=dataclasses.replace(cfg.placement, threads=threads))
+        measured, cost, workload = _colocated(threaded, num_batches)
+        devices = [Device("hybrid-0", Role.HYBRID)]
+        sim = _simulated("colocated", devices, workload, cost)
+        suffix = "" if threads == cfg.placement.threads else f"-{threads}thread"
+        row = _row(f"real-colocated{suffix}", sched, sim, sim, measured["samples_per_s"],
+                   time.perf_counter() - start, devices)
+        row["bubble_per_actor"] = {f"colocated (1 process, {threads} threads)": 0.0}
+        row["threads"] = threads
+        row["busy_cores_before"] = load
+        rows.append(row)
+    return rows, cost
+
+
+def _busy_process_rows(cfg: Any, one: dict[str, Any], counts: range
+                       ) -> tuple[list[dict[str, Any]], dict[int, list[float]]]:
+    """Per ``k`` in ``counts``, ``k`` one-thread colocated runs at once: their row (the one-thread row ``one``
+    with their figures) and each run's samples/s."""
+    one_sps, rates, groups = one["samples_per_s"], {}, []
+    for k in counts:
+        start, load = time.perf_counter(), _load()
+        rates[k] = _processes(cfg, k)
+        groups.append({**one, "scenario": f"real-{k}x1thread", "devices": k, "samples_per_s": sum(rates[k]),
+                       "samples_per_s_processes": rates[k], "wall_s": time.perf_counter() - start,
+                       "bubble_per_actor": {f"{k} independent processes, 1 thread each": 0.0},
+                       "sim_samples_per_s": None, "sim_error": None, "busy_cores_before": load,
+                       "threads": 1, "full": None, "tokens": None,
+                       "slowdown": _slowdown(one_sps, rates[k])})
+    return groups, rates
+
+
+@dataclasses.dataclass
+class _Measurements:
+    """Every round's runs, by row: what the rows and the calibration are made of."""
+
+    runs: dict[str, list[_ActorRun]] = dataclasses.field(default_factory=dict)  # row key -> one per round
+    # row key -> every compute token's per-token overhead, all its runs
+    overheads: dict[str, list[float]] = dataclasses.field(default_factory=dict)
+    # row key -> the schedule options its runs used
+    options: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
+    # colocated scenario -> one row per round
+    coloc: dict[str, list[dict[str, Any]]] = dataclasses.field(default_factory=dict)
+    # per round: (1-thread samples/s, its costs + contention)
+    predictors: list[tuple[float, MeasuredCost]] = dataclasses.field(default_factory=list)
+
+    def add_colocated(self, cfg: Any, sched: str, num_batches: int, counts: range) -> None:
+        """One round of the colocated loop, and of ``k`` one-thread colocated runs at once per ``k`` in ``counts``."""
+        rows, cost = _colocated_rows(cfg, sched, num_batches)
+        for row in rows:
+            self.coloc.setdefault(row["scenario"], []).append(row)
+        # One actor process = one thread, slowed as much as k busy processes slow each other.
+        one_sps = rows[-1]["samples_per_s"]
+        groups, rates = _busy_process_rows(cfg, rows[-1], counts)
+        for group in groups:
+            self.coloc.setdefault(group["scenario"], []).append(group)
+        self.predictors.append((one_sps, dataclasses.replace(cost, contention=_contention(one_sps, rates))))
+
+    def add_actors(self, cfg: Any, sched: str, where: Path) -> None:
+        """One round's real disaggregated run of the actor row ``sched`` (files under ``where``)."""
+        self.options[sched] = sim_options(cfg)
+        start, load = time.perf_counter(), _load()
+        result, tokens, over = run_actors(cfg, where)
+        self.overheads.setdefault(sched, []).extend(o for _, o in over)
+        self.runs.setdefault(sched, []).append(_ActorRun(result, tokens, time.perf_counter() - start,
+                                                         list(result.devices), load,
+                                                         summarize(result).steady.samples_per_s))
+
+
+def _measure_rounds(specs: list[_Spec], config: Path, base: list[str], root: Path, num_batches: int,
+                    repeats: int, counts: range) -> _Measurements:
+    """Every row's runs, interleaved: round 1 runs every row, then round 2..."""
+    measured = _Measurements()
+    for rnd in range(repeats):
+        for sched, name, extra in specs:
+            # "<schedule>+reward": the same schedule with a reward actor of its own (decode + score).
+            cfg = load_config(config, [*base, f"schedule.name={name.removesuffix('+reward')}", *extra])
+            if sched == "colocated":
+                measured.add_colocated(cfg, sched, num_batches, counts)
+            else:
+                measured.add_actors(cfg, sched, root / (f"real-{sched}" + (f"-r{rnd}" if rnd else "")))
+    return measured
+
+
+def _colocated_medians(coloc: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """Each colocated scenario's median round, listing every round's samples/s."""
+    rows = []
+    for cand in coloc.values():
+        row = _median(cand, lambda r: r["samples_per_s"])
+        row["samples_per_s_runs"] = [r["samples_per_s"] for r in cand]
+        rows.append(row)
+    return rows
+
+
+@dataclasses.dataclass(frozen=True)
+class _Costs:
+    """The costs the simulator predicts the actor rows with, one per error a row reports."""
+
+    predictor: MeasuredCost  # sim_error: the colocated phases with the counted contention, else ``pooled``
+    mixed: Contention | None  # the counted contention with a factor per running-kind mix
+    pooled: MeasuredCost  # sim_error_token_fit: every actor run's tokens
+    planned: MeasuredCost | None  # sim_error_plan_costs: what ``plan --costs`` reads
+    held_out: dict[str, MeasuredCost]  # sim_error_held_out: per actor row, fitted without it
+
+
+def _counted_predictor(predictors: list[tuple[float, MeasuredCost]]
+                       ) -> tuple[MeasuredCost | None, Contention | None]:
+    """The median round's one-thread colocated costs with the counted contention (per count of busy
+    processes, the median round's), and that contention."""
+    predictor = _median(predictors, lambda p: p[0])[1] if predictors else None
+    contention = _median_contention([c.contention for _, c in predictors if c.contention])
+    # the colocated prediction: counted contention only, made before looking at any actor run
+    predictor = dataclasses.replace(predictor, contention=contention) if predictor else None
+    return predictor, contention
+
+
+def _fit_costs(measured: _Measurements, config: Path, base: list[str], actor: str | None) -> _Costs:
+    """Every set of costs the rows are predicted with, from this bench's own runs."""
+    predictor, contention = _counted_predictor(measured.predictors)
+    # the actor runs add a factor per running-kind mix; every token's seconds alone on the host under
+    # it (the simulator applies the contention of each moment again)
+    actor_runs = {sched: [(run.tokens, run.result.spans) for run in rs] for sched, rs in measured.runs.items()}
+    mixed, every_token = _fit_contention([r for rs in actor_runs.values() for r in rs], contention)
+    pooled = dataclasses.replace(MeasuredCost.fit(every_token), contention=mixed)
+    predictor = predictor or pooled
+    planned, held_out = None, {}
+    if measured.runs:
+        first = load_config(config, [*base, f"schedule.name={actor}"])
+        allreduce = measure_allreduce(first)
+        planned = dataclasses.replace(plan_costs(every_token, [o for os in measured.overheads.values() for o in os],
+                                                 allreduce), contention=mixed)
+        held_out = _held_out_costs(actor_runs, measured.overheads, allreduce, contention)
+    return _Costs(predictor, mixed, pooled, planned, held_out)
+
+
+def _actor_row(sched: str, name: str, rs: list[_ActorRun], options: dict[str, Any], actor: str | None,
+               costs: _Costs) -> tuple[dict[str, Any], Timeline]:
+    """The row of ``sched``'s median run (schedule ``name``) with the simulator's error under each of ``costs``,
+    and that run's timeline."""
+    result, tokens, wall, devices, load, sps = _median(rs, lambda r: r.samples_per_s)
+    row = _row(f"real-{sched}", sched.removesuffix("-fine").split("@")[0], result,
+               _simulated(name, devices, result.workload, costs.predictor, options), sps, wall, devices)
+    row["placement_row"] = sched == actor or sched.startswith(f"{actor}@")  # the config's schedule, a split
+    errors = [("sim_error_token_fit", costs.pooled), ("sim_error_self_calibrated", MeasuredCost.fit(tokens))]
+    if costs.planned:
+        errors.append(("sim_error_plan_costs", costs.planned))
+    if sched in costs.held_out:
+        errors.append(("sim_error_held_out", costs.held_out[sched]))
+    for key, cost in errors:
+        own_sps = summarize(_simulated(name, devices, result.workload, cost, options)).steady.samples_per_s
+        row[key] = own_sps / row["samples_per_s"] - 1.0 if row["samples_per_s"] else None
+    row["busy_cores_before"] = load
+    row["samples_per_s_runs"] = [r.samples_per_s for r in rs]
+    return row, result
+
+
+def _actor_rows(measured: _Measurements, specs: list[_Spec], actor: str | None, costs: _Costs
+                ) -> tuple[list[dict[str, Any]], list[Timeline]]:
+    """A row per actor row key, of its median run, and those runs' timelines (for the Gantt chart)."""
+    rows, results = [], []
+    for sched, rs in measured.runs.items():
+        name = next(n for k, n, _ in specs if k == sched).removesuffix("+reward")
+        row, result = _actor_row(sched, name, rs, measured.options[sched], actor, costs)
+        rows.append(row)
+        results.append(result)
+    return rows, results
+
+
+def _add_speedups(rows: list[dict[str, Any]], baseline: dict[str, Any] | None,
+                  coloc: dict[str, list[dict[str, Any]]]) -> None:
+    """Each row's samples/s over the colocated ``baseline``'s, the one-thread run's and, round by round,
+    the two-process ceiling's."""
+    base_sps = baseline["samples_per_s"] if baseline else None
+    one = next((r["samples_per_s"] for r in rows if r["scenario"].endswith("-1thread")), None)
+    ceiling = [r["samples_per_s"] for r in coloc.get("real-2x1thread", [])]  # one per round, in order
+    for r in rows:
+        r["speedup_vs_colocated"] = r["samples_per_s"] / base_sps if base_sps else None
+        r["speedup_vs_colocated_1thread"] = r["samples_per_s"] / one if one else None
+        if ceiling and len(ceiling) == len(r.get("samples_per_s_runs") or []):  # a row of every round
+            r["vs_ceiling_rounds"] = [a / c for a, c in zip(r["samples_per_s_runs"], ceiling)]
+            r["vs_ceiling"] = statistics.median(r["vs_ceiling_rounds"])
+
+
+def _calibration(rows: list[dict[str, Any]], costs: _Costs, colocated: bool) -> dict[str, Any]:
+    """The report's ``calibration``: the simulator's costs and where they came from (``colocated``: the
+    one-thread colocated rounds) and, with actor rows, the plan costs and their errors."""
+    source = ("this run's 1-thread colocated phases (median round) with the contention its <k>x1thread "
+              "rows measured (per k, the median over rounds of the same-round slowdown)" if colocated
+              else "pooled real tokens of this run's actor schedules")
+    calibration: dict[str, Any] = {"colocated_costs": costs.predictor.to_dict(), "source": source,
+                                   "token_fit": costs.pooled.to_dict()}
+    if costs.mixed is not None:
+        calibration["contention"] = costs.mixed.to_dict()
+    if costs.planned is not None:
+        calibration.update(costs.planned.to_calibration())
+        calibration["plan_error"] = max(abs(r["sim_error_plan_costs"]) for r in rows if "sim_error_plan_costs" in r)
+        if costs.held_out:
+            calibration["held_out_error"] = max(abs(r["sim_error_held_out"]) for r in rows
+                                                if "sim_error_held_out" in r)
+        if (between := placement_error(rows)) is not None:
+            calibration["placement_error"] = between
+            calibration["placement_error_held_out"] = placement_error(rows, "sim_error_held_out")
+        calibration["plan_costs_source"] = (
+            "token fit over every actor run of this bench (fine-token run included) + the median per-token "
+            "overhead + one trainer's median optimizer step + the median publication + a measured 2-process "
+            "all-reduce of the trainable set (recipes/measure_costs.py)")
+    return calibration
+
+
+def _definitions() -> dict[str, str]:
+    """The report's ``definitions``: what each row and calibration figure means."""
+    return {
+        "window": "steady = from the end of batch 0's optimizer step to the last one",
+        "bubble": "1 - compute span time / window, per actor (bubble_per_actor); per role = mean",
+        "sim_error": "simulator steady samples/s (same schedule, devices, workload; costs from "
+                     "calibration.source) / measured - 1",
+        "sim_error_token_fit": "the same with costs fitted to the measured tokens of all actor runs",
+        "sim_error_plan_costs": "the same with the costs `plan --costs` reads (calibration."
+                                "measured_costs, dispatch_s, allreduce); calibration.plan_error is "
+                                "the largest |error| over the actor rows (in-sample: these runs "
+                                "are in the fit)",
+        "sim_error_held_out": "the same with plan costs fitted without this row's runs (every "
+                              "other actor row's tokens and overheads): out of sample; not for "
+                              "the -fine row, the only one whose token sizes vary; "
+                              "calibration.held_out_error is the largest |error|",
+        "real-<schedule>@<r>r<t>t": "the config's schedule at another split of its rollout + "
+                                    "trainer processes (r rollout, t trainer actors): the "
+                                    "placements the planner chooses among on this machine",
+        "placement_error": "calibration.placement_error: the largest |(1 + e_a) / (1 + e_b) - 1| "
+                           "over the config's schedule at its splits (e: sim_error_plan_costs), "
+                           "the error on the ratio of two placements of the costs the planner "
+                           "prices them with: its tolerance on this machine, whose splits all ran; "
+                           "placement_error_held_out: the same with each row's held-out error "
+                           "(how well a split never run is predicted, e.g. on a larger fleet)",
+        "contention.mix": "per running-kind mix (e.g. rollout+train), each busy process's run "
+                          "time factor, fitted to the actor runs' tokens (sim/contention.py "
+                          "fit_mix); other mixes take the factor of their count times "
+                          "contention.mix_scale (the fitted mixes' mean ratio to their counts')",
+        "real-<schedule>-fine": "the schedule at finer tokens (a quarter of the fragment size, "
+                                "rollout tokens of num_steps - 1 steps then the rest, TAG helpers of "
+                                "1): the calibration run that separates fixed, per-step and "
+                                "per-sample-step costs",
+        "sim_error_self_calibrated": "the same with costs fitted to this run's tokens only",
+        "colocated": "the single-process loop with placement.threads torch threads",
+        "real-2x1thread": "two independent 1-thread colocated runs at once, samples/s summed: the "
+                          "ceiling of any schedule of two 1-thread processes on this machine",
+        "real-<k>x1thread": "k independent 1-thread colocated runs at once (k up to the most actor "
+                            "processes a row runs); slowdown = the 1-thread run's samples/s / the "
+                            "mean of the k: calibration.contention, what the simulator slows each "
+                            "of k busy devices by (sim/contention.py)",
+        "samples_per_s_runs": "every round's samples/s (repeats); the row is the median run",
+        "vs_ceiling": "the median over rounds of the row's samples/s over the same round's "
+                      "real-2x1thread (vs_ceiling_rounds): a round that ran the whole machine "
+                      "slower slows both alike, which the ratio of the two rows' medians does not "
+                      "cancel",
+        "busy_cores_before": "cores busy with other processes just before the run (/proc/stat "
+                             "over 0.5 s): rows measured at different loads are not comparable"}
+
+
+def _write_files(out: Path | None, report: dict[str, Any], results: list[Timeline]) -> None:
+    """``bubbles.json`` and the Gantt chart of the actor rows' median runs under ``out`` (``None``: nothing)."""
+    from digenrl.telemetry.trace import write_gantt
+
+    if out is not None:
+        (out / "bubbles.json").write_text(json.dumps(report, indent=1))
+        if results:
+            write_gantt(results, out / "gantt-real.png", "real runs, tiny Qwen-Image on this machine")
+
+
 def run_real_bubbles(schedules: list[str] | None = None, num_batches: int = 8, out: Path | None = None,
                      config: Path = DEFAULT_CONFIG, overrides: list[str] | None = None,
                      repeats: int = 1, fine_tokens: bool = True, splits: bool = True) -> dict[str, Any]:
@@ -347,208 +681,22 @@ def run_real_bubbles(schedules: list[str] | None = None, num_batches: int = 8, o
     Raises:
         ConfigError: an unknown schedule, ``num_batches < 2`` or ``repeats < 1``.
     """
-    import tempfile
-
-    from digenrl.telemetry.trace import write_gantt
-
-    chosen = list(schedules or REAL_DEFAULT_SCHEDULES)
-    for s in chosen:
-        if s != "colocated" and s.removesuffix("+reward") not in ACTOR_SCHEDULES:
-            raise ConfigError(f"unknown schedule {s!r}; known: colocated, {', '.join(ACTOR_SCHEDULES)}")
-    if num_batches < 2:
-        raise ConfigError(f"num_batches={num_batches}: needs at least 2 (the first batch is the warm-up window)")
-    if repeats < 1:
-        raise ConfigError(f"repeats={repeats}: needs at least 1")
+    chosen = _checked_schedules(schedules, num_batches, repeats)
     base = [*(overrides or []), f"train.iterations={num_batches}", "log.image_every=0", "log.checkpoint_every=0"]
     tmp = tempfile.TemporaryDirectory() if out is None else None
-    root = Path(tmp.name) if tmp is not None else out
-    assert root is not None
-    root.mkdir(parents=True, exist_ok=True)
-    # (row key, schedule, extra overrides): each chosen schedule, then the fine-token calibration run
-    specs = [(s, s, ["placement.reward=1"] if s.endswith("+reward") else []) for s in chosen]
-    probe = load_config(config, base)
-    actors = [s.removesuffix("+reward") for s in chosen if s != "colocated"]
-    # the config's own schedule when it runs here (its TAG helper tokens are what `plan` sizes), else the first
-    actor = probe.schedule.name if probe.schedule.name in actors else next(iter(actors), None)
-    if splits and actor is not None:
-        specs += [(f"{actor}@{r}r{t}t", actor, [f"placement.rollout={r}", f"placement.trainer={t}"])
-                  for r, t in other_splits(config, [*base, f"schedule.name={actor}"])]
-    if fine_tokens and actor is not None:
-        specs.append((f"{actor}-fine", actor, fine_overrides(probe)))
-    # row key -> one (result, tokens, wall, devices, load, steady samples/s) per round
-    runs: dict[str, list[tuple[Timeline, list[tuple[Token, float]], float, list[Device], float, float]]] = {}
-    overheads: dict[str, list[float]] = {}  # row key -> every compute token's per-token overhead, all its runs
-    options: dict[str, dict[str, Any]] = {}  # row key -> the schedule options its runs used
-    coloc: dict[str, list[dict[str, Any]]] = {}  # colocated scenario -> one row per round
-    predictors: list[tuple[float, MeasuredCost]] = []  # per round: (1-thread samples/s, its costs + contention)
-    # the busy-process counts to measure: 2 (the ceiling) up to the most actor processes a row runs
-    counts = range(2, max([2, *(_actor_processes(load_config(config, [*base, *extra])) for s, _, extra in specs
-                                 if s != "colocated")]) + 1)
-    rows: list[dict[str, Any]] = []
+    root = _run_root(out, tmp)
+    specs, actor = _row_specs(chosen, config, base, splits, fine_tokens)
+    counts = _busy_counts(config, base, specs)
     try:
-        for rnd in range(repeats):
-            for sched, name, extra in specs:
-                # "<schedule>+reward": the same schedule with a reward actor of its own (decode + score).
-                cfg = load_config(config, [*base, f"schedule.name={name.removesuffix('+reward')}", *extra])
-                if sched == "colocated":
-                    # Both cores in one process (the baseline), and one core: on a loaded machine a
-                    # 2-thread OpenMP process can stall at its barriers, so both figures are reported.
-                    for threads in dict.fromkeys((cfg.placement.threads, 1)):
-                        start, load = time.perf_counter(), _load()
-                        threaded = dataclasses.replace(cfg, placement=dataclasses.replace(cfg.placement, threads=threads))
-                        measured, cost, workload = _colocated(threaded, num_batches)
-                        devices = [Device("hybrid-0", Role.HYBRID)]
-                        sim = _simulated("colocated", devices, workload, cost)
-                        suffix = "" if threads == cfg.placement.threads else f"-{threads}thread"
-                        row = _row(f"real-colocated{suffix}", sched, sim, sim, measured["samples_per_s"],
-                                   time.perf_counter() - start, devices)
-                        row["bubble_per_actor"] = {f"colocated (1 process, {threads} threads)": 0.0}
-                        row["threads"] = threads
-                        row["busy_cores_before"] = load
-                        coloc.setdefault(row["scenario"], []).append(row)
-                    # One actor process = one thread, slowed as much as k busy processes slow each other.
-                    one_sps, rates = row["samples_per_s"], {}
-                    for k in counts:
-                        start, load = time.perf_counter(), _load()
-                        rates[k] = _processes(cfg, k)
-                        group = {**row, "scenario": f"real-{k}x1thread", "devices": k, "samples_per_s": sum(rates[k]),
-                                 "samples_per_s_processes": rates[k], "wall_s": time.perf_counter() - start,
-                                 "bubble_per_actor": {f"{k} independent processes, 1 thread each": 0.0},
-                                 "sim_samples_per_s": None, "sim_error": None, "busy_cores_before": load,
-                                 "threads": 1, "full": None, "tokens": None,
-                                 "slowdown": _slowdown(one_sps, rates[k])}
-                        coloc.setdefault(group["scenario"], []).append(group)
-                    predictors.append((one_sps, dataclasses.replace(cost, contention=_contention(one_sps, rates))))
-                    continue
-                options[sched] = sim_options(cfg)
-                start, load = time.perf_counter(), _load()
-                result, tokens, over = run_actors(cfg, root / (f"real-{sched}" + (f"-r{rnd}" if rnd else "")))
-                overheads.setdefault(sched, []).extend(o for _, o in over)
-                runs.setdefault(sched, []).append((result, tokens, time.perf_counter() - start, list(result.devices),
-                                                   load, summarize(result).steady.samples_per_s))
-        colocated_row: dict[str, Any] | None = None
-        for cand in coloc.values():
-            row = _median(cand, lambda r: r["samples_per_s"])
-            row["samples_per_s_runs"] = [r["samples_per_s"] for r in cand]
-            colocated_row = colocated_row or row
-            rows.append(row)
-        predictor = _median(predictors, lambda p: p[0])[1] if predictors else None
-        contention = _median_contention([c.contention for _, c in predictors if c.contention])
-        # the colocated prediction: counted contention only, made before looking at any actor run
-        predictor = dataclasses.replace(predictor, contention=contention) if predictor else None
-        # the actor runs add a factor per running-kind mix; every token's seconds alone on the host under
-        # it (the simulator applies the contention of each moment again)
-        actor_runs = {sched: [(run[1], run[0].spans) for run in rs] for sched, rs in runs.items()}
-        mixed, every_token = _fit_contention([r for rs in actor_runs.values() for r in rs], contention)
-        pooled = dataclasses.replace(MeasuredCost.fit(every_token), contention=mixed)
-        predictor = predictor or pooled
-        planned, held_out = None, {}
-        if runs:
-            first = load_config(config, [*base, f"schedule.name={actor}"])
-            allreduce = measure_allreduce(first)
-            planned = dataclasses.replace(plan_costs(every_token, [o for os in overheads.values() for o in os],
-                                                     allreduce), contention=mixed)
-            held_out = _held_out_costs(actor_runs, overheads, allreduce, contention)
-        results = []
-        for sched, rs in runs.items():
-            result, tokens, wall, devices, load, sps = _median(rs, lambda r: r[5])
-
-            name = next(n for k, n, _ in specs if k == sched).removesuffix("+reward")
-            row = _row(f"real-{sched}", sched.removesuffix("-fine").split("@")[0], result,
-                       _simulated(name, devices, result.workload, predictor, options[sched]), sps, wall, devices)
-            row["placement_row"] = sched == actor or sched.startswith(f"{actor}@")  # the config's schedule, a split
-            errors = [("sim_error_token_fit", pooled), ("sim_error_self_calibrated", MeasuredCost.fit(tokens))]
-            if planned:
-                errors.append(("sim_error_plan_costs", planned))
-            if sched in held_out:
-                errors.append(("sim_error_held_out", held_out[sched]))
-            for key, cost in errors:
-                own_sps = summarize(_simulated(name, devices, result.workload, cost, options[sched])).steady.samples_per_s
-                row[key] = own_sps / row["samples_per_s"] - 1.0 if row["samples_per_s"] else None
-            row["busy_cores_before"] = load
-            row["samples_per_s_runs"] = [r[5] for r in rs]
-            rows.append(row)
-            results.append(result)
-        base_sps = colocated_row["samples_per_s"] if colocated_row else None
-        one = next((r["samples_per_s"] for r in rows if r["scenario"].endswith("-1thread")), None)
-        ceiling = [r["samples_per_s"] for r in coloc.get("real-2x1thread", [])]  # one per round, in order
-        for r in rows:
-            r["speedup_vs_colocated"] = r["samples_per_s"] / base_sps if base_sps else None
-            r["speedup_vs_colocated_1thread"] = r["samples_per_s"] / one if one else None
-            if ceiling and len(ceiling) == len(r.get("samples_per_s_runs") or []):  # a row of every round
-                r["vs_ceiling_rounds"] = [a / c for a, c in zip(r["samples_per_s_runs"], ceiling)]
-                r["vs_ceiling"] = statistics.median(r["vs_ceiling_rounds"])
-        source = ("this run's 1-thread colocated phases (median round) with the contention its <k>x1thread "
-                  "rows measured (per k, the median over rounds of the same-round slowdown)" if predictors
-                  else "pooled real tokens of this run's actor schedules")
-        calibration: dict[str, Any] = {"colocated_costs": predictor.to_dict(), "source": source,
-                                       "token_fit": pooled.to_dict()}
-        if mixed is not None:
-            calibration["contention"] = mixed.to_dict()
-        if planned is not None:
-            calibration.update(planned.to_calibration())
-            calibration["plan_error"] = max(abs(r["sim_error_plan_costs"]) for r in rows if "sim_error_plan_costs" in r)
-            if held_out:
-                calibration["held_out_error"] = max(abs(r["sim_error_held_out"]) for r in rows
-                                                    if "sim_error_held_out" in r)
-            if (between := placement_error(rows)) is not None:
-                calibration["placement_error"] = between
-                calibration["placement_error_held_out"] = placement_error(rows, "sim_error_held_out")
-            calibration["plan_costs_source"] = (
-                "token fit over every actor run of this bench (fine-token run included) + the median per-token "
-                "overhead + one trainer's median optimizer step + the median publication + a measured 2-process "
-                "all-reduce of the trainable set (recipes/measure_costs.py)")
-        report = {"rows": rows, "calibration": calibration,
-                  "definitions": {
-                      "window": "steady = from the end of batch 0's optimizer step to the last one",
-                      "bubble": "1 - compute span time / window, per actor (bubble_per_actor); per role = mean",
-                      "sim_error": "simulator steady samples/s (same schedule, devices, workload; costs from "
-                                   "calibration.source) / measured - 1",
-                      "sim_error_token_fit": "the same with costs fitted to the measured tokens of all actor runs",
-                      "sim_error_plan_costs": "the same with the costs `plan --costs` reads (calibration."
-                                              "measured_costs, dispatch_s, allreduce); calibration.plan_error is "
-                                              "the largest |error| over the actor rows (in-sample: these runs "
-                                              "are in the fit)",
-                      "sim_error_held_out": "the same with plan costs fitted without this row's runs (every "
-                                            "other actor row's tokens and overheads): out of sample; not for "
-                                            "the -fine row, the only one whose token sizes vary; "
-                                            "calibration.held_out_error is the largest |error|",
-                      "real-<schedule>@<r>r<t>t": "the config's schedule at another split of its rollout + "
-                                                  "trainer processes (r rollout, t trainer actors): the "
-                                                  "placements the planner chooses among on this machine",
-                      "placement_error": "calibration.placement_error: the largest |(1 + e_a) / (1 + e_b) - 1| "
-                                         "over the config's schedule at its splits (e: sim_error_plan_costs), "
-                                         "the error on the ratio of two placements of the costs the planner "
-                                         "prices them with: its tolerance on this machine, whose splits all ran; "
-                                         "placement_error_held_out: the same with each row's held-out error "
-                                         "(how well a split never run is predicted, e.g. on a larger fleet)",
-                      "contention.mix": "per running-kind mix (e.g. rollout+train), each busy process's run "
-                                        "time factor, fitted to the actor runs' tokens (sim/contention.py "
-                                        "fit_mix); other mixes take the factor of their count times "
-                                        "contention.mix_scale (the fitted mixes' mean ratio to their counts')",
-                      "real-<schedule>-fine": "the schedule at finer tokens (a quarter of the fragment size, "
-                                              "rollout tokens of num_steps - 1 steps then the rest, TAG helpers of "
-                                              "1): the calibration run that separates fixed, per-step and "
-                                              "per-sample-step costs",
-                      "sim_error_self_calibrated": "the same with costs fitted to this run's tokens only",
-                      "colocated": "the single-process loop with placement.threads torch threads",
-                      "real-2x1thread": "two independent 1-thread colocated runs at once, samples/s summed: the "
-                                        "ceiling of any schedule of two 1-thread processes on this machine",
-                      "real-<k>x1thread": "k independent 1-thread colocated runs at once (k up to the most actor "
-                                          "processes a row runs); slowdown = the 1-thread run's samples/s / the "
-                                          "mean of the k: calibration.contention, what the simulator slows each "
-                                          "of k busy devices by (sim/contention.py)",
-                      "samples_per_s_runs": "every round's samples/s (repeats); the row is the median run",
-                      "vs_ceiling": "the median over rounds of the row's samples/s over the same round's "
-                                    "real-2x1thread (vs_ceiling_rounds): a round that ran the whole machine "
-                                    "slower slows both alike, which the ratio of the two rows' medians does not "
-                                    "cancel",
-                      "busy_cores_before": "cores busy with other processes just before the run (/proc/stat "
-                                           "over 0.5 s): rows measured at different loads are not comparable"}}
-        if out is not None:
-            (out / "bubbles.json").write_text(json.dumps(report, indent=1))
-            if results:
-                write_gantt(results, out / "gantt-real.png", "real runs, tiny Qwen-Image on this machine")
+        measured = _measure_rounds(specs, config, base, root, num_batches, repeats, counts)
+        colocated = _colocated_medians(measured.coloc)
+        costs = _fit_costs(measured, config, base, actor)
+        actor_rows, results = _actor_rows(measured, specs, actor, costs)
+        rows = [*colocated, *actor_rows]
+        _add_speedups(rows, next(iter(colocated), None), measured.coloc)
+        report = {"rows": rows, "calibration": _calibration(rows, costs, bool(measured.predictors)),
+                  "definitions": _definitions()}
+        _write_files(out, report, results)
         return report
     finally:
         if tmp is not None:

@@ -94,7 +94,7 @@ def test_real_bench_measures_colocated_the_pair_ceiling_and_async1(tmp_path) -> 
 
 
 def test_real_bench_writes_the_plan_costs_it_measured(tmp_path) -> None:
-    """costs version 2 in bubbles.json: each figure against what the runs' own traces (or the model) say."""
+    """costs version 3 in bubbles.json: each figure against what the runs' own traces (or the model) say."""
     import statistics
 
     import torch
