@@ -101,6 +101,10 @@ def bubbles(
     _print_report(console, report, batches)
 
 
+def _percent(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1%}"
+
+
 def _list_scenarios(console: Console) -> None:
     """``--list``: the scenarios, schedules and modelled peers."""
     from rich.table import Table
@@ -244,8 +248,8 @@ def _real(schedules: list[str] | None, batches: int, out: Path | None, repeats: 
                       f"{cal['dispatch_s'] * 1e3:.2f} ms, optimizer step {cal['measured_costs']['optim']['overhead_s'] * 1e3:.1f} ms "
                       f"+ all-reduce {cal['allreduce']['seconds_2'] * 1e3:.2f} ms (2 trainers), publication "
                       f"{cal['measured_costs']['publish']['overhead_s'] * 1e3:.1f} ms; the simulator's error with them "
-                      f"(plan_error) {cal['plan_error']:.1%} in sample"
-                      + (f", {cal['held_out_error']:.1%} held out (each row predicted from the others' tokens)"
+                      f"(plan_error) {_percent(cal['plan_error'])} in sample"
+                      + (f", {_percent(cal['held_out_error'])} held out (each row predicted from the others' tokens)"
                          if "held_out_error" in cal else "")
                       + (f"; on the ratio of two splits (placement_error, the planner's tolerance) "
                          f"{cal['placement_error']:.1%} in sample, {cal['placement_error_held_out']:.1%} held out"

@@ -285,6 +285,13 @@ def other_splits(config: Path, overrides: list[str]) -> list[tuple[int, int]]:
     return out
 
 
+def largest_error(rows: list[dict[str, Any]], key: str) -> float | None:
+    """The largest ``|error|`` of the rows' ``key`` (``None`` where none has one: a row that completed no
+    steady sample has no relative error)."""
+    errors = [abs(e) for r in rows if (e := r.get(key)) is not None]
+    return max(errors) if errors else None
+
+
 def placement_error(rows: list[dict[str, Any]], key: str = "sim_error_plan_costs") -> float | None:
     """How far off the simulator is on the *ratio* of two placements of the config's schedule (what the
     planner compares): the largest ``|(1 + e_a) / (1 + e_b) - 1|`` over pairs of its rows at different
@@ -569,10 +576,9 @@ def _calibration(rows: list[dict[str, Any]], costs: _Costs, colocated: bool) -> 
         calibration["contention"] = costs.mixed.to_dict()
     if costs.planned is not None:
         calibration.update(costs.planned.to_calibration())
-        calibration["plan_error"] = max(abs(r["sim_error_plan_costs"]) for r in rows if "sim_error_plan_costs" in r)
+        calibration["plan_error"] = largest_error(rows, "sim_error_plan_costs")
         if costs.held_out:
-            calibration["held_out_error"] = max(abs(r["sim_error_held_out"]) for r in rows
-                                                if "sim_error_held_out" in r)
+            calibration["held_out_error"] = largest_error(rows, "sim_error_held_out")
         if (between := placement_error(rows)) is not None:
             calibration["placement_error"] = between
             calibration["placement_error_held_out"] = placement_error(rows, "sim_error_held_out")

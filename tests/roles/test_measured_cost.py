@@ -237,3 +237,15 @@ def test_held_out_costs_never_see_the_row_they_predict() -> None:
     # the slow row is in tag's held-out fit, so tag is priced higher than async1 is
     assert held["tag"].fits["train"][1] > held["async1"].fits["train"][1] * 1.5
     assert _held_out_costs({"tag": alone["tag"], "async1": alone["async1"]}, overheads, net, None) == {}
+
+
+def test_a_row_without_an_error_leaves_the_largest_error_to_the_others() -> None:
+    """A row that completed no steady sample has no relative error (None): the report's plan_error and
+    held_out_error are the largest of the others' (the report used to stop there with a TypeError)."""
+    from digenrl.recipes.bench_real import largest_error, placement_error
+
+    rows = [{"sim_error_plan_costs": -0.08, "placement_row": True}, {"sim_error_plan_costs": None, "placement_row": True},
+            {"sim_error_plan_costs": 0.03, "placement_row": True}, {"scenario": "real-colocated"}]
+    assert largest_error(rows, "sim_error_plan_costs") == 0.08
+    assert largest_error(rows, "sim_error_held_out") is None
+    assert placement_error(rows) == pytest.approx(abs(1.03 / 0.92 - 1))
