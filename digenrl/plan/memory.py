@@ -374,12 +374,11 @@ def _conditioning_hw(m: Any) -> tuple[int, int] | None:
     return image_size(conditioning_area(m.preset, m.image_area, h, w), h, w)
 
 
-def _conditioning_note(cfg: Config) -> str:
+def _conditioning_note(traces: Traces) -> str:
     """What the traced sequence holds beside the output's tokens (Qwen-Image-Edit's input images)."""
-    hw = _conditioning_hw(cfg.model)
+    hw, k = traces.cond_hw, traces.cond_images
     if hw is None:
         return ""
-    k = max(1, cfg.input_images)
     return (f"; the sequence also holds {k} input image{'s' if k > 1 else ''} of {hw[0]}x{hw[1]} px "
             f"({(hw[0] // 16) * (hw[1] // 16)} tokens each)")
 
@@ -405,7 +404,8 @@ class Traces:
         self.branches = _cfg_branches(cfg)
         self.text_len = m.text_len or (_TEXT_LEN[m.name] if m.preset in ("pretrained", "full", "random") else 32)
         self.cond_hw = _conditioning_hw(m)
-        self.cond_images = max(1, cfg.input_images)  # Qwen-Image-Edit-Plus: every input image's tokens join the sequence
+        # Qwen-Image-Edit-Plus: every input image's tokens join the sequence (read once: a plan search reuses this)
+        self.cond_images = max(1, cfg.input_images) if self.cond_hw is not None else 1
         self._memo: dict[tuple[str, int], int] = {}
 
     def _trace(self, kind: str, rows: int) -> int:
@@ -530,7 +530,7 @@ def memory_plan(cfg: Config, traces: Traces | None = None) -> MemoryPlan:
                            "transformer and text encoders are unused there)")
     models = _place_rewards(cfg, roles)
     return MemoryPlan(m.name, getattr(parts, "variant", ""), m.preset, device, capacity, shard, n_transformer, n_text,
-                      n_vae, rows, ACTIVATIONS_METHOD + _conditioning_note(cfg), roles, shared=_shared_gpus(cfg, roles),
+                      n_vae, rows, ACTIVATIONS_METHOD + _conditioning_note(traces), roles, shared=_shared_gpus(cfg, roles),
                       rewards=models,
                       train_row_bytes=(train_act - act.one_row) // (rows - 1) if rows > 1 else act.one_row,
                       train_activations=train_act, rollout_forward=act.forward, decode_sample=decode_act,
