@@ -24,13 +24,11 @@ from digenrl.models._common import (
     check_prompts,
     check_sigma,
     flow_match_sigmas,
-    load_pipeline_offline,
     pack_2x2,
     seeded,
-    to_device_dtype,
     unpack_2x2,
 )
-from digenrl.models._random import build_random_pipeline
+from digenrl.models._presets import preset_pipeline, preset_size
 from digenrl.models._text import byte_clip_tokenizer, byte_t5_tokenizer, tiny_clip_text_model, tiny_t5_encoder
 from digenrl.models.base import Cond
 
@@ -181,14 +179,9 @@ class FluxModel(DiffusersGenerator):
         ``models/_random.py``). ``pretrained`` and ``random`` share their defaults and all after loading."""
         from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline
 
-        g = 3.5 if guidance_scale is None else guidance_scale
-        if preset in ("pretrained", "random"):
-            pipe = (load_pipeline_offline(FluxPipeline, path, dtype, device) if preset == "pretrained" else
-                    build_random_pipeline(cls.name, FlowMatchEulerDiscreteScheduler(**FLUX_SCHEDULER_CONFIG),
-                                          variant=variant, layers=layers, text_encoder=text_encoder,
-                                          device=device, dtype=dtype, seed=seed))
-            h, w = resolution or (512, 512)
-            return cls(pipe, height=h, width=w, guidance_scale=g, text_len=text_len or 512)
-        pipe = to_device_dtype(build_flux_pipeline(preset, seed), device, dtype)
-        h, w = resolution or (64, 64)
-        return cls(pipe, height=h, width=w, guidance_scale=g, text_len=text_len or 32)
+        pipe = preset_pipeline(cls.name, preset, FluxPipeline, lambda: FlowMatchEulerDiscreteScheduler(**FLUX_SCHEDULER_CONFIG),
+                               lambda: build_flux_pipeline(preset, seed), path=path, device=device, dtype=dtype,
+                               seed=seed, variant=variant, layers=layers, text_encoder=text_encoder)
+        h, w, length = preset_size(preset, resolution, text_len, real=((512, 512), 512), built_text_len=32)
+        return cls(pipe, height=h, width=w, guidance_scale=3.5 if guidance_scale is None else guidance_scale,
+                   text_len=length)

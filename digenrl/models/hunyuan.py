@@ -29,11 +29,9 @@ from digenrl.models._common import (
     check_num_steps,
     check_prompts,
     check_sigma,
-    load_pipeline_offline,
     seeded,
-    to_device_dtype,
 )
-from digenrl.models._random import build_random_pipeline
+from digenrl.models._presets import preset_pipeline, preset_size
 from digenrl.models._text import byte_clip_tokenizer, byte_llama_tokenizer, tiny_clip_text_model, tiny_llama_model
 from digenrl.models.base import Cond
 
@@ -192,14 +190,9 @@ class HunyuanVideoModel(DiffusersGenerator):
         ``models/_random.py``). ``pretrained`` and ``random`` share their defaults and all after loading."""
         from diffusers import FlowMatchEulerDiscreteScheduler, HunyuanVideoPipeline
 
-        g = 6.0 if guidance_scale is None else guidance_scale
-        if preset in ("pretrained", "random"):
-            pipe = (load_pipeline_offline(HunyuanVideoPipeline, path, dtype, device) if preset == "pretrained" else
-                    build_random_pipeline(cls.name, FlowMatchEulerDiscreteScheduler(shift=7.0),
-                                          variant=variant, layers=layers, text_encoder=text_encoder,
-                                          device=device, dtype=dtype, seed=seed))
-            h, w = resolution or (480, 480)
-            return cls(pipe, height=h, width=w, num_frames=num_frames, guidance_scale=g, text_len=text_len or 256)
-        pipe = to_device_dtype(build_hunyuan_pipeline(preset, seed), device, dtype)
-        h, w = resolution or (64, 64)
-        return cls(pipe, height=h, width=w, num_frames=num_frames, guidance_scale=g, text_len=text_len or 32)
+        pipe = preset_pipeline(cls.name, preset, HunyuanVideoPipeline, lambda: FlowMatchEulerDiscreteScheduler(shift=7.0),
+                               lambda: build_hunyuan_pipeline(preset, seed), path=path, device=device, dtype=dtype,
+                               seed=seed, variant=variant, layers=layers, text_encoder=text_encoder)
+        h, w, length = preset_size(preset, resolution, text_len, real=((480, 480), 256), built_text_len=32)
+        return cls(pipe, height=h, width=w, num_frames=num_frames,
+                   guidance_scale=6.0 if guidance_scale is None else guidance_scale, text_len=length)

@@ -30,14 +30,12 @@ from digenrl.models._common import (
     check_sigma,
     decode_causal_vae,
     flow_match_sigmas,
-    load_pipeline_offline,
     pack_2x2,
     pad_tokens,
     seeded,
-    to_device_dtype,
     unpack_2x2,
 )
-from digenrl.models._random import build_random_pipeline
+from digenrl.models._presets import preset_pipeline, preset_size
 from digenrl.models._text import byte_qwen2_tokenizer, tiny_qwen25vl_text_encoder
 from digenrl.models.base import Cond
 
@@ -241,18 +239,13 @@ class QwenImageModel(DiffusersGenerator):
         ``models/_random.py``). ``pretrained`` and ``random`` share their defaults and all after loading."""
         from diffusers import FlowMatchEulerDiscreteScheduler, QwenImagePipeline
 
-        if preset in ("pretrained", "random"):
-            pipe = (load_pipeline_offline(QwenImagePipeline, path, dtype, device) if preset == "pretrained" else
-                    build_random_pipeline(cls.name, FlowMatchEulerDiscreteScheduler(**QWEN_SCHEDULER_CONFIG),
-                                          variant=variant, layers=layers, text_encoder=text_encoder,
-                                          device=device, dtype=dtype, seed=seed))
-            h, w = resolution or (512, 512)
-            return cls(pipe, height=h, width=w, guidance_scale=4.0 if guidance_scale is None else guidance_scale,
-                       text_len=text_len or 512)
-        pipe = to_device_dtype(build_qwenimage_pipeline(preset, seed), device, dtype)
-        h, w = resolution or (64, 64)
+        pipe = preset_pipeline(cls.name, preset, QwenImagePipeline,
+                               lambda: FlowMatchEulerDiscreteScheduler(**QWEN_SCHEDULER_CONFIG),
+                               lambda: build_qwenimage_pipeline(preset, seed), path=path, device=device, dtype=dtype,
+                               seed=seed, variant=variant, layers=layers, text_encoder=text_encoder)
+        h, w, length = preset_size(preset, resolution, text_len, real=((512, 512), 512), built_text_len=32)
         return cls(pipe, height=h, width=w, guidance_scale=4.0 if guidance_scale is None else guidance_scale,
-                   text_len=text_len or 32)
+                   text_len=length)
 
 
 def qwen_true_cfg(v_c: torch.Tensor, v_u: torch.Tensor, scale: float) -> torch.Tensor:

@@ -54,9 +54,8 @@ from digenrl.models._common import (
     pack_2x2,
     pad_tokens,
     seeded,
-    to_device_dtype,
 )
-from digenrl.models._random import build_random_pipeline
+from digenrl.models._presets import preset_pipeline, preset_size
 from digenrl.models._text import QwenVLByteProcessor, byte_qwen2vl_tokenizer, tiny_qwen25vl_text_encoder
 from digenrl.models.base import Cond, cat_cond
 from digenrl.models.qwenimage import (NEGATIVE_PROMPT, QWEN_SCHEDULER_CONFIG, QwenImageModel, build_qwenimage_pipeline,
@@ -335,20 +334,17 @@ class QwenImageEditModel(QwenImageModel):
             if type(pipe).__name__ not in ("QwenImageEditPipeline", "QwenImageEditPlusPipeline"):
                 raise ConfigError(f"model.path: {str(path)!r} holds a {type(pipe).__name__}, not a Qwen-Image-Edit "
                                   "pipeline (QwenImageEditPipeline / QwenImageEditPlusPipeline)")
-        elif preset == "random":
-            variant = _variant(variant)
+        else:
             from diffusers import FlowMatchEulerDiscreteScheduler
 
-            pipe = build_random_pipeline(cls.name, FlowMatchEulerDiscreteScheduler(**QWEN_SCHEDULER_CONFIG),
-                                         variant=variant, layers=layers, text_encoder=text_encoder,
-                                         device=device, dtype=dtype, seed=seed)
-        else:
-            pipe = to_device_dtype(build_qwenimage_edit_pipeline(preset, seed, _variant(variant)), device, dtype)
-            h, w = resolution or (64, 64)
-            return cls(pipe, height=h, width=w, guidance_scale=cfg, text_len=text_len or 128,
-                       image_area=conditioning_area(preset, image_area or 0, h, w))
+            variant = _variant(variant)
+            pipe = preset_pipeline(cls.name, preset, _pipeline_class(variant),
+                                   lambda: FlowMatchEulerDiscreteScheduler(**QWEN_SCHEDULER_CONFIG),
+                                   lambda: build_qwenimage_edit_pipeline(preset, seed, variant), path=path,
+                                   device=device, dtype=dtype, seed=seed, variant=variant, layers=layers,
+                                   text_encoder=text_encoder)
         # real size: the native 1024², and room for the text encoder's image tokens (1369 at 1024², 324 at 512²)
-        h, w = resolution or (1024, 1024)
-        return cls(pipe, height=h, width=w, guidance_scale=cfg, text_len=text_len or 1536,
+        h, w, length = preset_size(preset, resolution, text_len, real=((1024, 1024), 1536), built_text_len=128)
+        return cls(pipe, height=h, width=w, guidance_scale=cfg, text_len=length,
                    image_area=conditioning_area(preset, image_area or 0, h, w))
 

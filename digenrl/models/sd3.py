@@ -42,11 +42,9 @@ from digenrl.models._common import (
     check_num_steps,
     check_prompts,
     check_sigma,
-    load_pipeline_offline,
     seeded,
-    to_device_dtype,
 )
-from digenrl.models._random import build_random_pipeline
+from digenrl.models._presets import preset_pipeline, preset_size
 from digenrl.models._text import byte_clip_tokenizer, byte_t5_tokenizer, tiny_clip_text_model, tiny_t5_encoder
 from digenrl.models.base import Cond
 
@@ -256,14 +254,10 @@ class SD3Model(DiffusersGenerator):
         """
         from diffusers import FlowMatchEulerDiscreteScheduler, StableDiffusion3Pipeline
 
-        g = 4.5 if guidance_scale is None else guidance_scale
-        if preset in ("pretrained", "random"):
-            pipe = (load_pipeline_offline(StableDiffusion3Pipeline, path, dtype, device) if preset == "pretrained" else
-                    build_random_pipeline(cls.name, FlowMatchEulerDiscreteScheduler(**SD3_SCHEDULER_CONFIG),
-                                          variant=variant, layers=layers, text_encoder=text_encoder,
-                                          device=device, dtype=dtype, seed=seed))
-            h, w = resolution or (512, 512)
-            return cls(pipe, height=h, width=w, guidance_scale=g, text_len=text_len or 128)
-        pipe = to_device_dtype(build_sd3_pipeline(preset, seed), device, dtype)
-        h, w = resolution or (64, 64)
-        return cls(pipe, height=h, width=w, guidance_scale=g, text_len=text_len or 16)
+        pipe = preset_pipeline(cls.name, preset, StableDiffusion3Pipeline,
+                               lambda: FlowMatchEulerDiscreteScheduler(**SD3_SCHEDULER_CONFIG),
+                               lambda: build_sd3_pipeline(preset, seed), path=path, device=device, dtype=dtype,
+                               seed=seed, variant=variant, layers=layers, text_encoder=text_encoder)
+        h, w, length = preset_size(preset, resolution, text_len, real=((512, 512), 128), built_text_len=16)
+        return cls(pipe, height=h, width=w, guidance_scale=4.5 if guidance_scale is None else guidance_scale,
+                   text_len=length)

@@ -32,11 +32,9 @@ from digenrl.models._common import (
     check_prompts,
     check_sigma,
     decode_causal_vae,
-    load_pipeline_offline,
     seeded,
-    to_device_dtype,
 )
-from digenrl.models._random import build_random_pipeline
+from digenrl.models._presets import preset_pipeline, preset_size
 from digenrl.models._text import byte_t5_tokenizer, tiny_umt5_encoder
 from digenrl.models.base import Cond
 
@@ -194,14 +192,9 @@ class WanModel(DiffusersGenerator):
         ``models/_random.py``). ``pretrained`` and ``random`` share their defaults and all after loading."""
         from diffusers import UniPCMultistepScheduler, WanPipeline
 
-        g = 4.5 if guidance_scale is None else guidance_scale
-        if preset in ("pretrained", "random"):
-            pipe = (load_pipeline_offline(WanPipeline, path, dtype, device) if preset == "pretrained" else
-                    build_random_pipeline(cls.name, UniPCMultistepScheduler(**WAN_SCHEDULER_CONFIG),
-                                          variant=variant, layers=layers, text_encoder=text_encoder,
-                                          device=device, dtype=dtype, seed=seed))
-            h, w = resolution or (480, 832)
-            return cls(pipe, height=h, width=w, num_frames=num_frames, guidance_scale=g, text_len=text_len or 512)
-        pipe = to_device_dtype(build_wan_pipeline(preset, seed), device, dtype)
-        h, w = resolution or (64, 64)
-        return cls(pipe, height=h, width=w, num_frames=num_frames, guidance_scale=g, text_len=text_len or 32)
+        pipe = preset_pipeline(cls.name, preset, WanPipeline, lambda: UniPCMultistepScheduler(**WAN_SCHEDULER_CONFIG),
+                               lambda: build_wan_pipeline(preset, seed), path=path, device=device, dtype=dtype,
+                               seed=seed, variant=variant, layers=layers, text_encoder=text_encoder)
+        h, w, length = preset_size(preset, resolution, text_len, real=((480, 832), 512), built_text_len=32)
+        return cls(pipe, height=h, width=w, num_frames=num_frames,
+                   guidance_scale=4.5 if guidance_scale is None else guidance_scale, text_len=length)

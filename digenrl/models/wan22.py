@@ -43,8 +43,9 @@ from typing import Any
 import torch
 
 from digenrl.errors import ConfigError
-from digenrl.models._common import check_sigma, load_pipeline_offline, seeded, to_device_dtype
-from digenrl.models._random import SECOND_EXPERT_SEED, build_random_pipeline
+from digenrl.models._common import check_sigma, load_pipeline_offline, seeded
+from digenrl.models._presets import preset_pipeline, preset_size
+from digenrl.models._random import SECOND_EXPERT_SEED
 from digenrl.models._text import byte_t5_tokenizer, tiny_umt5_encoder
 from digenrl.models.base import Cond, index_cond
 from digenrl.models.experts import ExpertSet
@@ -319,28 +320,22 @@ class Wan22Model(WanModel):
         architecture with ``random`` weights. Guidance and size default to the variant's published ones."""
         from diffusers import UniPCMultistepScheduler, WanPipeline
 
-        if preset in ("pretrained", "random"):
-            if preset == "pretrained":
-                # with expert_offload the low-noise expert never visits the device before it is needed
-                pipe = load_pipeline_offline(WanPipeline, path, dtype, "cpu" if expert_offload else device)
-                if expert_offload:
-                    for name, part in pipe.components.items():
-                        if isinstance(part, torch.nn.Module) and name != "transformer_2":
-                            part.to(device)
-                variant = "A14B" if pipe.transformer_2 is not None else "TI2V-5B"
-            else:
-                variant = _variant(variant)
-                pipe = build_random_pipeline(cls.name, UniPCMultistepScheduler(**wan22_scheduler_config(variant)),
-                                             pipeline_kwargs=wan22_pipeline_kwargs(variant), variant=variant,
-                                             layers=layers, text_encoder=text_encoder, device=device, dtype=dtype,
-                                             seed=seed)
-            h, w = resolution or _RESOLUTION[variant]
-            length = text_len or 512
+        if preset == "pretrained":
+            # with expert_offload the low-noise expert never visits the device before it is needed
+            pipe = load_pipeline_offline(WanPipeline, path, dtype, "cpu" if expert_offload else device)
+            if expert_offload:
+                for name, part in pipe.components.items():
+                    if isinstance(part, torch.nn.Module) and name != "transformer_2":
+                        part.to(device)
+            variant = "A14B" if pipe.transformer_2 is not None else "TI2V-5B"
         else:
             variant = _variant(variant)
-            pipe = to_device_dtype(build_wan22_pipeline(preset, seed, variant), device, dtype)
-            h, w = resolution or (64, 64)
-            length = text_len or 32
+            pipe = preset_pipeline(cls.name, preset, WanPipeline,
+                                   lambda: UniPCMultistepScheduler(**wan22_scheduler_config(variant)),
+                                   lambda: build_wan22_pipeline(preset, seed, variant), path=path, device=device,
+                                   dtype=dtype, seed=seed, variant=variant, layers=layers, text_encoder=text_encoder,
+                                   pipeline_kwargs=wan22_pipeline_kwargs(variant))
+        h, w, length = preset_size(preset, resolution, text_len, real=(_RESOLUTION[variant], 512), built_text_len=32)
         g_high, g_low = _GUIDANCE[variant]
         g = g_high if guidance_scale is None else guidance_scale
         g2 = g_low if guidance_scale_2 is None and guidance_scale is None else guidance_scale_2
