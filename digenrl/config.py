@@ -33,6 +33,9 @@ __all__ = [
     "ModelConfig",
     "RolloutConfig",
     "TrainConfig",
+    "NftConfig",
+    "AwmConfig",
+    "ALGORITHMS",
     "RewardConfig",
     "DataConfig",
     "ScheduleConfig",
@@ -222,6 +225,9 @@ class RolloutConfig:
     # Wan2.2 A14B: where the SDE window lies relative to the expert boundary (rollout.steps = "window"):
     # "any" (ignore it), "high" / "low" (only that expert's steps), "span" (at least one step of each).
     window_expert: str = "any"
+    # Forward-process algorithms (train.algorithm = nft | awm): the deterministic ODE sampler of the rollout,
+    # "dpm2" (DiffusionNFT's default: multistep DPM-Solver, 2nd order) or "euler". Flow-GRPO samples the SDE.
+    solver: str = "dpm2"
 
     def window_bounds(self) -> tuple[int, int] | None:
         """``window_range`` as the ``plan_steps`` argument (None: the default range)."""
@@ -257,6 +263,10 @@ class RolloutConfig:
 class TrainConfig:
     """``[train]``: loss, advantages and optimizer."""
 
+    # What the run trains with (digenrl/algorithms): "flow_grpo" (policy gradient over the rollout's SDE
+    # transitions), "nft" (DiffusionNFT) or "awm" (Advantage Weighted Matching): forward-process methods whose
+    # rollout ships only clean samples; their own keys are in [nft] / [awm].
+    algorithm: str = "flow_grpo"
     iterations: int = 30
     lr: float = 3e-4
     lr_warmup: int = 0  # optimizer steps over which the rate rises linearly to lr (rl/lr.py); 0 = none
@@ -283,6 +293,7 @@ class TrainConfig:
     group_timeout: float = 600.0  # seconds a trainer-group collective (or the rendezvous) waits for a peer
 
     def __post_init__(self) -> None:
+        _choice("train.algorithm", self.algorithm, ALGORITHMS)
         _check("train.iterations", self.iterations >= 1, ">= 1", self.iterations)
         _check("train.lr", self.lr > 0, "> 0", self.lr)
         _check("train.lr_warmup", self.lr_warmup >= 0, ">= 0", self.lr_warmup)
@@ -299,6 +310,67 @@ class TrainConfig:
         _check("train.parity_tolerance", self.parity_tolerance > 0, "> 0", self.parity_tolerance)
         _choice("train.shard", self.shard, SHARD_MODES)
         _check("train.group_timeout", self.group_timeout > 0, "> 0", self.group_timeout)
+
+
+ALGORITHMS = ("flow_grpo", "nft", "awm")
+
+
+@dataclass(frozen=True)
+class NftConfig:
+    """``[nft]``: DiffusionNFT (train.algorithm = "nft"; ALGORITHMS-FORWARD §3, NVlabs/DiffusionNFT).
+
+    Per sample, ``levels`` noise levels of the rollout's own sigma grid (a random permutation's first ones;
+    0 = floor(0.99 num_steps), the reference's timestep_fraction), fresh noise at each, and the loss on the
+    implicit positive / negative velocities ``beta v + (1 - beta) v_old`` / ``(1 + beta) v_old - beta v``.
+    The rollout samples with the old policy, moved after each optimizer step by
+    ``theta_old <- d theta_old + (1 - d) theta`` with the reference's schedule ``decay`` (0: copy, 1: min(0.001
+    step, 0.5), 2: 0 until step 75, then min(0.0075 (step - 75), 0.999)).
+    """
+
+    beta: float = 1.0
+    kl_beta: float = 1e-4
+    levels: int = 0
+    decay: int = 1
+
+    def __post_init__(self) -> None:
+        _check("nft.beta", self.beta > 0, "> 0", self.beta)
+        _check("nft.kl_beta", self.kl_beta >= 0, ">= 0", self.kl_beta)
+        _check("nft.levels", self.levels >= 0, ">= 0 (0: floor(0.99 rollout.num_steps))", self.levels)
+        _choice("nft.decay", self.decay, (0, 1, 2))
+
+
+@dataclass(frozen=True)
+class AwmConfig:
+    """``[awm]``: Advantage Weighted Matching (train.algorithm = "awm"; ALGORITHMS-FORWARD §4).
+
+    Per sample, ``levels`` noise levels drawn stratified from grid indices ``[1, floor(level_fraction N)]``,
+    fresh noise at each; the "log-prob" ``-sigma ((m + 1e-10)^p - 1e-10^p) / p`` of the flow-matching error m
+    (``power`` p), a PPO ratio clipped at ``clip_range`` (on-policy against its own detached value, a
+    one-step-stale sample against the EMA policy), advantages ``clip(A) / train.adv_clip * adv_max``, and
+    two KL terms: to the reference (``kl_beta``) and to the EMA policy (``ema_beta``), which moves after each
+    optimizer step by ``d = min(ema_decay, 0.001 step)`` (``ema_decay_type = "linear"``) or ``ema_decay``.
+    """
+
+    levels: int = 6
+    level_fraction: float = 0.9
+    power: float = 0.25
+    clip_range: float = 1.0
+    adv_max: float = 1.0
+    kl_beta: float = 1e-3
+    ema_beta: float = 1.0
+    ema_decay: float = 0.3
+    ema_decay_type: str = "linear"
+
+    def __post_init__(self) -> None:
+        _check("awm.levels", self.levels >= 1, ">= 1", self.levels)
+        _check("awm.level_fraction", 0 < self.level_fraction <= 1, "in (0, 1]", self.level_fraction)
+        _check("awm.power", self.power > 0, "> 0", self.power)
+        _check("awm.clip_range", self.clip_range > 0, "> 0", self.clip_range)
+        _check("awm.adv_max", self.adv_max > 0, "> 0", self.adv_max)
+        _check("awm.kl_beta", self.kl_beta >= 0, ">= 0", self.kl_beta)
+        _check("awm.ema_beta", self.ema_beta >= 0, ">= 0", self.ema_beta)
+        _check("awm.ema_decay", 0 <= self.ema_decay < 1, "in [0, 1)", self.ema_decay)
+        _choice("awm.ema_decay_type", self.ema_decay_type, ("linear", "constant"))
 
 
 @dataclass(frozen=True)
@@ -657,6 +729,8 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    nft: NftConfig = field(default_factory=NftConfig)
+    awm: AwmConfig = field(default_factory=AwmConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     data: DataConfig = field(default_factory=DataConfig)
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
@@ -679,6 +753,7 @@ class Config:
             raise ConfigError(f"placement.max_rollout = {place.max_rollout}: rollout actors join a running run as "
                               "worker processes; it needs an actor schedule (not colocated) and transport.actors = 'zmq'")
         self._check_launcher()
+        self._check_algorithm()
         if transport.weights == "nccl" and not self.model.device.startswith("cuda"):
             raise ConfigError(f"transport.weights = 'nccl' moves CUDA buffers, but model.device = {self.model.device!r}; "
                               "use 'gloo' (the same lane on the CPU) or 'zmq'")
@@ -696,6 +771,16 @@ class Config:
         if self.model.name == "qwenimage_edit" and not self.data.prompts and not self.data.prompt_file.endswith(".jsonl"):
             raise ConfigError("data.prompt_file: model qwenimage_edit edits input images; it needs a .jsonl prompt file, "
                               'one {"prompt": ..., "images": [...]} a line (e.g. examples/edit/prompts.jsonl)')
+
+    def _check_algorithm(self) -> None:
+        algo, n = self.train.algorithm, self.rollout.num_steps
+        if algo == "nft":
+            _check("nft.levels", self.nft.levels <= n, f"<= rollout.num_steps = {n} (levels come from its grid)",
+                   self.nft.levels)
+        if algo == "awm":
+            top = int(n * self.awm.level_fraction)
+            _check("awm.level_fraction", top >= 2, f"such that floor(level_fraction x rollout.num_steps = {n}) >= 2 "
+                   "(the levels are drawn from grid indices 1..that)", self.awm.level_fraction)
 
     def _check_launcher(self) -> None:
         place, ray = self.placement, self.cluster.launcher == "ray"
@@ -872,7 +957,64 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> Config:
         data = tomllib.loads(p.read_text())
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{p}: invalid TOML: {exc}") from exc
-    return config_from_dict(apply_overrides(data, overrides or []))
+    cfg = config_from_dict(apply_overrides(data, overrides or []))
+    _check_algorithm_keys(cfg.train.algorithm, data, apply_overrides({}, overrides or []), p)
+    return cfg
+
+
+# Keys that mean something to one family only: the SDE sampler and the clipped log-prob ratio of Flow-GRPO;
+# the ODE sampler of the forward-process methods; each method's own table.
+_SDE_KEYS = ("rollout.noise_level", "rollout.sde", "rollout.steps", "rollout.window", "rollout.window_range",
+             "rollout.fraction", "rollout.window_expert", "rollout.same_init_noise", "train.clip_range",
+             "train.kl_beta", "train.kl")
+_MEANINGLESS = {
+    "flow_grpo": ("rollout.solver", "nft", "awm"),
+    "nft": (*_SDE_KEYS, "awm"),
+    "awm": (*_SDE_KEYS, "nft"),
+}
+
+
+def _set_keys(data: dict[str, Any]) -> set[str]:
+    """``table.key`` of every key present in ``data`` (and each table's own name)."""
+    return {name for table, keys in data.items() if isinstance(keys, dict)
+            for name in (table, *(f"{table}.{k}" for k in keys))}
+
+
+def _check_algorithm_keys(algorithm: str, file_data: dict[str, Any], overrides: dict[str, Any], path: Path) -> None:
+    """Refuse keys that mean nothing to ``train.algorithm``, by name.
+
+    A file that chooses its algorithm (or leaves the default) may not carry another algorithm's keys, nor may
+    ``--set``; a file written for one algorithm and switched by ``--set train.algorithm=...`` keeps its other
+    keys, which the run ignores (one warning names them), so a shipped Flow-GRPO config runs NFT as it is.
+
+    Raises:
+        ConfigError: naming the first such key and the algorithm.
+    """
+    meaningless = [k for k in _MEANINGLESS[algorithm] if "." in k]
+    tables = [k for k in _MEANINGLESS[algorithm] if "." not in k]
+
+    def offending(keys: set[str]) -> list[str]:
+        return sorted(k for k in keys if k in meaningless or k in tables)
+
+    switched = "train.algorithm" in _set_keys(overrides)
+    bad = offending(_set_keys(overrides)) + ([] if switched else offending(_set_keys(file_data)))
+    if bad:
+        what = f"[{bad[0]}]" if bad[0] in tables else bad[0]
+        raise ConfigError(f"{what}: means nothing to train.algorithm = {algorithm!r}; remove it "
+                          f"({_family(algorithm)})")
+    ignored = [k for k in offending(_set_keys(file_data)) if "." in k or k in tables]
+    if switched and ignored:
+        import logging
+
+        logging.getLogger(__name__).warning("%s: train.algorithm = %r (--set) ignores the file's %s", path, algorithm,
+                                            ", ".join(ignored))
+
+
+def _family(algorithm: str) -> str:
+    if algorithm == "flow_grpo":
+        return "Flow-GRPO samples the SDE of [rollout] and has no [nft] / [awm] table"
+    return (f"{algorithm} samples a deterministic ODE (rollout.solver) and trains on clean samples: the SDE, its "
+            "log-prob ratio and the other method's table do not apply")
 
 
 _TINY_HINT = "on a CPU-only machine run the embedded tiny default instead: digenrl run configs/tiny-qwenimage.toml"

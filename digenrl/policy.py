@@ -75,8 +75,14 @@ def compile_transformer(model: GeneratorModel, mode: str) -> None:
 
 
 def trained_steps(cfg: Config) -> int:
-    """Transitions trained per sample (|T|) under ``rollout.steps``."""
+    """Rows trained per sample: transitions (|T|) under ``rollout.steps``, or a forward-process method's noise levels."""
+    from digenrl.rl.forward import nft_levels
+
     ro = cfg.rollout
+    if cfg.train.algorithm == "nft":
+        return nft_levels(ro.num_steps, cfg.nft.levels)
+    if cfg.train.algorithm == "awm":
+        return cfg.awm.levels
     if ro.steps == "window":
         return ro.window
     if ro.steps == "fraction":

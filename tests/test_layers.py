@@ -1,7 +1,7 @@
 """The layering of DESIGN.md §4: each layer imports only from the layers below it.
 
 transport → actors (the generic runtime) → telemetry → data / models / rewards → rl → schedule →
-sim, config → policy → roles → recipes, plan (→ cli). ``digenrl.errors`` is the ground every layer may use.
+sim, config → policy → algorithms → roles → recipes, plan (→ cli). ``digenrl.errors`` is the ground every layer may use.
 """
 
 from __future__ import annotations
@@ -26,9 +26,10 @@ ALLOWED: dict[str, set[str]] = {
     "schedule": set(),
     "sim": {"schedule", "telemetry"},
     "config": {"schedule", "data", "models", "rewards", "rl", "sim"},
-    "policy": {"config", "models"},
-    "roles": _CORE | {"config", "policy", "data", "models", "rewards", "rl", "schedule"},
-    "recipes": _CORE | {"config", "policy", "roles", "data", "models", "rewards", "rl", "schedule", "sim"},
+    "policy": {"config", "models", "rl"},
+    "algorithms": {"config", "policy", "models", "rl"},
+    "roles": _CORE | {"config", "policy", "algorithms", "data", "models", "rewards", "rl", "schedule"},
+    "recipes": _CORE | {"config", "policy", "algorithms", "roles", "data", "models", "rewards", "rl", "schedule", "sim"},
     "doctor": _CORE | {"config", "recipes", "models"},
     "plan": {"config", "policy", "models", "schedule", "sim", "telemetry"},
 }

@@ -30,12 +30,14 @@ from typing import Any
 
 import torch
 
+from digenrl.algorithms import Algorithm, Backward, algorithm_for
 from digenrl.config import Config
+from digenrl.errors import ConfigError
 from digenrl.data.images import reward_inputs
 from digenrl.data.prompts import batch_prompts, load_prompts
 from digenrl.models import GeneratorModel, decode_in_chunks, repeat_cond
 from digenrl.models.experts import expert_splitter, window_range
-from digenrl.models.lora import load_trainable, reference, sampling, save_trainable
+from digenrl.models.lora import load_trainable, sampling, save_trainable
 from digenrl.policy import build_model, trained_steps
 from digenrl.recipes.checkpoint import find_checkpoint, load_state, write_checkpoint
 from digenrl.rewards import build_reward
@@ -45,14 +47,15 @@ from digenrl.rl.advantages import reward_advantages
 from digenrl.rl.loss import LossConfig, Sums, reduce_stats
 from digenrl.rl.lr import set_lr
 from digenrl.rl.noise import initial_keys, initial_latents, transition_noise
-from digenrl.rl.rollout import TransitionBatch, rollout_steps
+from digenrl.rl.ode import ode_step
+from digenrl.rl.rollout import rollout_steps
 from digenrl.rl.steps import plan_steps
-from digenrl.rl.tsp import packed_backward, parity_recompute
+from digenrl.rl.tsp import parity_recompute
 from digenrl.schedule.base import Device, Role, Workload
 from digenrl.telemetry.live import LiveDisplay
 from digenrl.telemetry.memory import peak_memory
-from digenrl.telemetry.metrics import (LOSS_KEYS, MetricsLog, StepMetrics, expert_fields, parity_fields,
-                                       parity_warning)
+from digenrl.telemetry.metrics import (LOSS_KEYS, MetricsLog, StepMetrics, algorithm_fields, expert_fields,
+                                       parity_fields, parity_warning)
 from digenrl.telemetry.spans import SpanLog
 from digenrl.telemetry.stats import run_stats
 from digenrl.telemetry.trace import write_artifacts
@@ -78,6 +81,7 @@ class ColocatedRun:
     prompts: list[str]
     sigmas: torch.Tensor
     loss_cfg: LossConfig
+    algorithm: Algorithm  # train.algorithm: rows, loss, slow copies and the weights sampling uses
     t0: float = 0.0  # time.perf_counter() at the start of the run
     last_end: float = 0.0  # ... at the end of the previous iteration
     spans: SpanLog | None = None  # every phase of every iteration, as the actors' runs record theirs
@@ -110,21 +114,15 @@ def setup(cfg: Config) -> ColocatedRun:
         prompts=prompts,
         sigmas=model.sigmas(cfg.rollout.num_steps),
         loss_cfg=LossConfig(clip_range=t.clip_range, kl_beta=t.kl_beta, kl_kind=t.kl),  # type: ignore[arg-type]
+        algorithm=algorithm_for(cfg, model, trains=True),
         t0=time.perf_counter(), last_end=time.perf_counter(), spans=SpanLog(time.time()),
     )
 
 
-def _ref_velocity(model: GeneratorModel) -> Callable[..., torch.Tensor]:
-    def ref(x: torch.Tensor, sigma: torch.Tensor, cond: dict[str, torch.Tensor]) -> torch.Tensor:
-        with reference(model):
-            return model.velocity(x, sigma, cond)
-
-    return ref
-
-
 def iteration(run: ColocatedRun, it: int) -> tuple[dict[str, Any], torch.Tensor, list[str]]:
-    """One Flow-GRPO iteration; returns its metrics line (:class:`StepMetrics`), the decoded images and the prompts."""
-    cfg, model = run.cfg, run.model
+    """One iteration of ``train.algorithm``; returns its metrics line (:class:`StepMetrics`), the decoded images
+    and the prompts."""
+    cfg, model, algo = run.cfg, run.model, run.algorithm
     ro, tr = cfg.rollout, cfg.train
     t0 = time.perf_counter()
     # The dataset position is the iteration: the same prompts as the disaggregated coordinator's batch.
@@ -137,16 +135,23 @@ def iteration(run: ColocatedRun, it: int) -> tuple[dict[str, Any], torch.Tensor,
     gen = torch.Generator().manual_seed(seed)
     # Per-sample noise (digenrl/rl/noise.py): the same samples as an on-policy disaggregated run.
     sids = list(range(len(prompts)))
-    x0 = initial_latents(model, cfg.log.seed, it, initial_keys(sids, g, ro.same_init_noise))
-    plan = plan_steps(ro.num_steps, groups, mode=ro.steps, window=ro.window,
-                      window_range=window_range(model, ro), fraction=ro.fraction, seed=seed)  # type: ignore[arg-type]
-    with sampling(model):  # LoRA merged into fp32 weights, as the rollout actors sample
-        res = rollout_steps(model.velocity, x0, cond, run.sigmas, plan, 0, ro.num_steps, noise_level=ro.noise_level,
-                            kind=ro.sde,  # type: ignore[arg-type]
-                            noise=lambda i: transition_noise(cfg.log.seed, it, sids, i, x0, active=plan.stochastic[:, i]),
-                            policy_version=it)
+    x0 = initial_latents(model, cfg.log.seed, it, initial_keys(sids, g, ro.same_init_noise and algo.coupled))
+    # the algorithm's sampling weights (DiffusionNFT: the old policy), LoRA merged into fp32 weights, as the
+    # rollout actors sample
+    with algo.sampling(), sampling(model):
+        if algo.coupled:
+            plan = plan_steps(ro.num_steps, groups, mode=ro.steps, window=ro.window, window_range=window_range(model, ro),
+                              fraction=ro.fraction, seed=seed)  # type: ignore[arg-type]
+            res = rollout_steps(model.velocity, x0, cond, run.sigmas, plan, 0, ro.num_steps,
+                                noise_level=ro.noise_level, kind=ro.sde,  # type: ignore[arg-type]
+                                noise=lambda i: transition_noise(cfg.log.seed, it, sids, i, x0,
+                                                                 active=plan.stochastic[:, i]),
+                                policy_version=it)
+            clean = res.x
+        else:
+            clean = _integrate(model, x0, cond, run.sigmas, algo.solver)
     t1 = time.perf_counter()
-    images = decode_in_chunks(model, res.x, ro.decode_batch)
+    images = decode_in_chunks(model, clean, ro.decode_batch)
     t2 = time.perf_counter()
     failures = run.reward.failures
     # rewards read the prompts' texts; an edit reward also the samples' input images (data/images.py)
@@ -165,14 +170,22 @@ def iteration(run: ColocatedRun, it: int) -> tuple[dict[str, Any], torch.Tensor,
         a = a[torch.randperm(a.shape[0], generator=gen)]
     elif tr.control == "negated":
         a = -a
-    keep = (~adv.zero_std[res.transitions.sample]).nonzero().flatten()
-    batch: TransitionBatch = res.transitions.rows(keep)
-    sums = _backward(run, batch, cond, a)
-    if not len(batch) and tr.check_parity:  # nothing trained: measure parity on a sample of the dropped rows
+    if algo.coupled:
+        keep = (~adv.zero_std[res.transitions.sample]).nonzero().flatten()
+        batch: Any = res.transitions.rows(keep)
+        rows_trained = len(res.transitions)
+    else:  # every sample's rows, equal-reward groups too (both references train them)
+        rows = (0, len(prompts) * algo.rows_per_sample)  # type: ignore[attr-defined]
+        batch = algo.token_rows({"y": clean}, rows, torch.ones(len(prompts), dtype=torch.bool), it, sids, it)
+        batch = batch.to(clean.device)
+        rows_trained = len(batch)
+    sums = _backward(run, batch, cond, a, it)
+    if algo.coupled and not len(batch) and tr.check_parity:  # nothing trained: parity on a sample of the dropped rows
         sums.append(parity_recompute(model.velocity, res.transitions, cond, PARITY_SAMPLE_ROWS))
     stats = reduce_stats(sums)
     t_step = time.perf_counter()
     stats["grad_norm"] = _optimizer_step(run, it) if len(batch) else 0.0
+    terms = algo.after_step(it + 1)  # the slow copies follow the weights of version it + 1
     t4 = time.perf_counter()
     if run.spans is not None:
         _record(run.spans, it, len(prompts), [("rollout", t0, t1), ("reward", t1, t3), ("train", t3, t_step),
@@ -184,12 +197,12 @@ def iteration(run: ColocatedRun, it: int) -> tuple[dict[str, Any], torch.Tensor,
         reward_mean=adv.stats["reward_mean"], reward_std=adv.stats["reward_std"],
         reward_std_mean=adv.stats["reward_std_mean"], reward_failures=failed,
         zero_std_ratio=adv.stats["zero_std_ratio"], adv_abs_mean=adv.stats["adv_abs_mean"],
-        rows_trained=len(res.transitions), rows_kept=len(batch), **{k: stats.get(k, 0.0) for k in LOSS_KEYS},
+        rows_trained=rows_trained, rows_kept=len(batch), **{k: stats.get(k, 0.0) for k in LOSS_KEYS},
         grad_norm=stats["grad_norm"], max_staleness=0, bubble_ratio={"colocated": bubble, "overall": bubble},
         t_rollout=t1 - t0, t_decode=t2 - t1, t_reward=t3 - t2, t_train=t4 - t3,
         dropped_messages=0,  # one process, no socket: nothing to drop
         rewards={name: float(s.mean()) for name, s in comps.items()}, **parity_fields(stats),
-        rows_by_expert=expert_fields(stats),
+        rows_by_expert=expert_fields(stats), algorithm=algorithm_fields(stats, terms),
     )
     line = metrics.line()
     if (warning := parity_warning(line, tr.parity_tolerance)) is not None:
@@ -205,20 +218,32 @@ def _record(spans: SpanLog, it: int, samples: int, phases: list[tuple[str, float
                   samples=samples if kind in ("rollout", "reward") else 0)
 
 
-def _backward(run: ColocatedRun, batch: TransitionBatch, cond: dict[str, torch.Tensor],
-              adv: torch.Tensor) -> list[Sums]:
+def _integrate(model: GeneratorModel, x: torch.Tensor, cond: dict[str, torch.Tensor], sigmas: torch.Tensor,
+               solver: str) -> torch.Tensor:
+    """A forward-process rollout: the deterministic ODE from ``x`` to the clean latents."""
+    prev = None
+    grid = sigmas.float().to(x.device)
+    for i in range(sigmas.shape[0] - 1):
+        v = model.velocity(x, grid[i].expand(x.shape[0]), cond)
+        x, prev = ode_step(solver, x, v, sigmas, i, prev)
+    return x
+
+
+def _backward(run: ColocatedRun, batch: Any, cond: dict[str, torch.Tensor], adv: torch.Tensor,
+              version: int | None = None) -> list[Sums]:
     """The iteration's forward/backward over its trained rows, on the model's device.
 
     The rows and the conditioning were made there by the rollout; the advantages come from the reward,
-    on the host, and are placed with them here.
+    on the host, and are placed with them here. The loss is the mean over the rows. ``version``: the weights'
+    (default: the rows', on-policy, as every colocated iteration is).
     """
     run.optimizer.zero_grad(set_to_none=True)
     if len(batch) == 0:  # every group had identical rewards: nothing to learn from
         return []
-    ref = _ref_velocity(run.model) if run.loss_cfg.kl_beta > 0 else None
-    return packed_backward(run.model.velocity, batch, cond, adv.to(batch.x.device), run.loss_cfg,
-                           rows_per_pass=run.cfg.train.rows_per_pass or None, ref_velocity=ref,
-                           experts=expert_splitter(run.model))
+    plan = Backward("packed", run.cfg.train.rows_per_pass or None, experts=expert_splitter(run.model),
+                    normalizer=float(len(batch)))
+    return run.algorithm.backward(batch, cond, adv.to(batch.sigma.device), plan,
+                                  version=batch.policy_version if version is None else version)
 
 
 def _optimizer_step(run: ColocatedRun, step: int) -> float:
@@ -332,6 +357,10 @@ def _resume(run: ColocatedRun, path: str | Path) -> tuple[int, list[dict[str, An
     load_trainable(run.model, ckpt / "trainable.safetensors")
     # A local file this program wrote (never network data), read to the host: a GPU checkpoint resumes anywhere.
     run.optimizer.load_state_dict(torch.load(ckpt / "optimizer.pt", weights_only=True, map_location="cpu"))
+    try:
+        run.algorithm.load_extra_state(_extra_files(run, ckpt))
+    except ValueError as exc:  # the copy's tensors do not match this model's
+        raise ConfigError(f"{ckpt}: {exc}") from exc
     version = state["version"]
     log.info("resuming from %s at version %d", ckpt, version)
     return version, list(state.get("history", []))[:version]
@@ -352,8 +381,31 @@ def _write_outputs(run: ColocatedRun, out: Path, it: int, images: torch.Tensor, 
 
 
 def _write_trainer(run: ColocatedRun, directory: Path) -> None:
+    from safetensors.torch import save_file
+
     save_trainable(run.model, directory / "trainable.safetensors")
     torch.save(run.optimizer.state_dict(), directory / "optimizer.pt")
+    for stem, sd in run.algorithm.extra_state().items():  # DiffusionNFT's old policy, AWM's EMA policy
+        save_file({k: v.contiguous() for k, v in sd.items()}, str(directory / f"{stem}.safetensors"))
+
+
+def _extra_files(run: ColocatedRun, ckpt: Path) -> dict[str, dict[str, torch.Tensor]]:
+    """The algorithm's slow copies a checkpoint holds (the actors' format: ``<stem>.safetensors``).
+
+    Raises:
+        ConfigError: such a file is missing, unreadable or does not match the trainable weights.
+    """
+    from safetensors.torch import load_file
+
+    out = {}
+    for stem in run.algorithm.extra_state():
+        path = ckpt / f"{stem}.safetensors"
+        try:
+            out[stem] = load_file(str(path))
+        except Exception as exc:  # a missing file (FileNotFoundError) or safetensors' own error types
+            raise ConfigError(f"{path}: {run.cfg.train.algorithm} resumes its {stem} policy from this file, which "
+                              f"cannot be read ({exc})") from exc
+    return out
 
 
 def _write_timeline(run: ColocatedRun, out: Path, base: int) -> None:

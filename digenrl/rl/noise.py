@@ -19,9 +19,11 @@ from typing import Any
 
 import torch
 
-__all__ = ["noise_seed", "initial_keys", "initial_latents", "transition_noise"]
+__all__ = ["noise_seed", "initial_keys", "initial_latents", "transition_noise", "level_indices", "training_noise"]
 
 _INITIAL = -1  # the "step" of the initial latent
+_LEVELS = -2  # ... of a forward-process sample's draw of training noise levels
+_TRAINING = -3  # ... and of its k-th level's fresh noise: -3 - k
 
 
 def noise_seed(seed: int, batch: int, key: int, step: int) -> int:
@@ -60,3 +62,22 @@ def transition_noise(seed: int, batch: int, sample_ids: Sequence[int], step: int
         if active is None or bool(active[row]):
             z[row] = torch.randn(z.shape[1:], generator=_gen(seed, batch, s, step), dtype=torch.float32)
     return z.to(like.device)
+
+
+def level_indices(seed: int, batch: int, sample_id: int, num_steps: int, levels: int, mode: str,
+                  strata: Sequence[tuple[int, int]] = ()) -> list[int]:
+    """The grid indices a forward-process sample trains at, drawn from its own seed.
+
+    ``mode = "permutation"`` (DiffusionNFT): the first ``levels`` of a random permutation of ``0..num_steps-1``;
+    ``"strata"`` (AWM): one index uniformly from each ``[lo, hi)`` of ``strata`` (``lo`` where it is empty).
+    """
+    gen = _gen(seed, batch, sample_id, _LEVELS)
+    if mode == "permutation":
+        return torch.randperm(num_steps, generator=gen)[:levels].tolist()
+    u = torch.rand(len(strata), generator=gen, dtype=torch.float64).tolist()
+    return [lo + int(x * (hi - lo)) for x, (lo, hi) in zip(u, strata, strict=True)]
+
+
+def training_noise(seed: int, batch: int, sample_id: int, k: int, shape: Sequence[int]) -> torch.Tensor:
+    """The fresh standard normal noise ``eps`` of a sample's ``k``-th training level (fp32, on the host)."""
+    return torch.randn(tuple(shape), generator=_gen(seed, batch, sample_id, _TRAINING - k), dtype=torch.float32)

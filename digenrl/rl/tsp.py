@@ -28,10 +28,13 @@ from digenrl.rl.rollout import TransitionBatch, VelocityFn
 from digenrl.rl.sde import gaussian_log_prob, transition_stats
 
 __all__ = ["packed_backward", "per_step_backward", "sliced_backward", "backward_rows", "parity_recompute",
-           "ExpertSplit"]
+           "ExpertSplit", "RowsBackward"]
 
 #: ``sigma [B] -> [(label, row indices)]``: the rows of each expert (``digenrl.models.experts.expert_rows``).
 ExpertSplit = Callable[[torch.Tensor], list[tuple[str, torch.Tensor]]]
+#: One pass over some rows, :func:`backward_rows`'s signature: another algorithm's rows and loss (``digenrl.algorithms``)
+#: are packed, sliced and split by expert by the same drivers.
+RowsBackward = Callable[..., Sums]
 
 
 def _by_expert(batch: TransitionBatch, experts: ExpertSplit | None) -> list[tuple[str | None, TransitionBatch]]:
@@ -116,6 +119,7 @@ def packed_backward(
     ref_velocity: VelocityFn | None = None,
     parity: bool = True,
     experts: ExpertSplit | None = None,
+    backward: RowsBackward | None = None,
 ) -> list[Sums]:
     """TSP: backward over ``batch`` in passes of up to ``rows_per_pass`` (sample x step) rows.
 
@@ -130,6 +134,7 @@ def packed_backward(
         ref_velocity: reference velocity for the KL.
         parity: the rows were sampled by ``velocity``'s weights (see :func:`backward_rows`).
         experts: a mixture-of-experts model's row split: passes never mix experts (module docstring).
+        backward: one pass's forward/backward (default :func:`backward_rows`, Flow-GRPO's).
 
     Returns:
         Per-pass diagnostic sums (reduce with :func:`digenrl.rl.loss.reduce_stats`).
@@ -142,12 +147,12 @@ def packed_backward(
     if per < 1 and n:
         raise ValueError(f"rows_per_pass must be >= 1, got {rows_per_pass}")
     norm = float(normalizer if normalizer is not None else max(n, 1))
+    run = backward or backward_rows
     out: list[Sums] = []
     for label, group in _by_expert(batch, experts):
         for lo in range(0, len(group), max(per, 1)):
             sub = group.rows(slice(lo, lo + per))
-            sums = backward_rows(velocity, sub, cond, advantages, cfg, normalizer=norm, ref_velocity=ref_velocity,
-                                 parity=parity)
+            sums = run(velocity, sub, cond, advantages, cfg, normalizer=norm, ref_velocity=ref_velocity, parity=parity)
             out.append(_counted(sums, label, len(sub)))
     return out
 
@@ -163,15 +168,16 @@ def per_step_backward(
     ref_velocity: VelocityFn | None = None,
     parity: bool = True,
     experts: ExpertSplit | None = None,
+    backward: RowsBackward | None = None,
 ) -> list[Sums]:
     """The Flow-GRPO reference loop: one forward/backward per timestep over the samples trained there
-    (``experts``: as :func:`packed_backward`; a step's rows share one sigma, hence one expert)."""
+    (``experts``, ``backward``: as :func:`packed_backward`; a step's rows share one sigma, hence one expert)."""
     norm = float(normalizer if normalizer is not None else max(len(batch), 1))
+    run = backward or backward_rows
     out: list[Sums] = []
     for step in torch.unique(batch.step).tolist():
         for label, sub in _by_expert(batch.rows((batch.step == step).nonzero().flatten()), experts):
-            sums = backward_rows(velocity, sub, cond, advantages, cfg, normalizer=norm, ref_velocity=ref_velocity,
-                                 parity=parity)
+            sums = run(velocity, sub, cond, advantages, cfg, normalizer=norm, ref_velocity=ref_velocity, parity=parity)
             out.append(_counted(sums, label, len(sub)))
     return out
 
@@ -206,6 +212,7 @@ def sliced_backward(
     ref_velocity: VelocityFn | None = None,
     parity: bool = True,
     experts: ExpertSplit | None = None,
+    backward: RowsBackward | None = None,
 ) -> list[Sums]:
     """TSP under sharded data parallelism (FSDP): rank ``rank``'s slice of ``batch``, in as many passes as every rank.
 
@@ -217,7 +224,7 @@ def sliced_backward(
     contribution is exactly zero. Summed over ranks the gradient is :func:`packed_backward`'s.
 
     ``experts``: each expert's rows are sliced this way in turn (every rank sees the whole token, so the
-    groups, and the pass counts, agree across ranks).
+    groups, and the pass counts, agree across ranks). ``backward``: as :func:`packed_backward`.
 
     Returns:
         This rank's per-pass diagnostic sums (zero-weight passes left out).
@@ -227,7 +234,7 @@ def sliced_backward(
         for label, group in _by_expert(batch, experts):
             for sums in sliced_backward(velocity, group, cond, advantages, cfg, rank=rank, world=world,
                                         rows_per_pass=rows_per_pass, normalizer=normalizer,
-                                        ref_velocity=ref_velocity, parity=parity):
+                                        ref_velocity=ref_velocity, parity=parity, backward=backward):
                 out_all.append(_counted(sums, label, int(sums.get("rows", 0))))
         return out_all
     n = len(batch)
@@ -238,13 +245,14 @@ def sliced_backward(
     per = largest if rows_per_pass is None else rows_per_pass
     if per < 1:
         raise ValueError(f"rows_per_pass must be >= 1, got {rows_per_pass}")
+    run = backward or backward_rows
     out: list[Sums] = []
     for p in range(-(-largest // per)):
         a, b = lo + p * per, min(hi, lo + (p + 1) * per)
         if a < b:
-            out.append(backward_rows(velocity, batch.rows(slice(a, b)), cond, advantages, cfg, normalizer=normalizer,
-                                     ref_velocity=ref_velocity, parity=parity))
+            out.append(run(velocity, batch.rows(slice(a, b)), cond, advantages, cfg, normalizer=normalizer,
+                           ref_velocity=ref_velocity, parity=parity))
         else:
-            backward_rows(velocity, batch.rows(slice(0, 1)), cond, advantages, cfg, normalizer=float("inf"),
-                          ref_velocity=ref_velocity, parity=False)
+            run(velocity, batch.rows(slice(0, 1)), cond, advantages, cfg, normalizer=float("inf"),
+                ref_velocity=ref_velocity, parity=False)
     return out

@@ -43,6 +43,7 @@ from typing import Any
 import torch
 
 from digenrl.actors import dropped_counts
+from digenrl.algorithms import ALGORITHMS
 from digenrl.config import Config
 from digenrl.data.prompts import batch_prompts
 from digenrl.errors import ActorDied, ConfigError, DigenrlError, StalenessViolation
@@ -53,8 +54,8 @@ from digenrl.rl.loss import reduce_stats
 from digenrl.schedule import make_schedule
 from digenrl.schedule.base import (CostEstimate, Device, DeviceDied, DeviceJoined, Role, Schedule, Token, TokenDone,
                                    TokenKind, Workload)
-from digenrl.telemetry.metrics import (LOSS_KEYS, PHASE_KEYS, StepMetrics, expert_fields, parity_fields, parity_warning,
-                                       total_drops)
+from digenrl.telemetry.metrics import (LOSS_KEYS, PHASE_KEYS, StepMetrics, algorithm_fields, expert_fields,
+                                       parity_fields, parity_warning, total_drops)
 from digenrl.telemetry.spans import SpanLog, window_bubbles
 
 __all__ = ["Coordinator", "RunStopped"]
@@ -151,6 +152,7 @@ class Coordinator:
         self.reward_budget = FailureBudget.for_config(cfg.reward)  # stops a run whose reward keeps failing
         self.on_images = on_images
         self.on_dispatch = on_dispatch
+        self.drops_zero_std = ALGORITHMS[cfg.train.algorithm].drops_zero_std
         if cfg.train.control == "shuffled":
             raise ConfigError("train.control = 'shuffled' permutes advantages across the whole batch, which "
                               "a streaming (GAP) run never holds at once; use the colocated recipe for it")
@@ -337,7 +339,8 @@ class Coordinator:
         async with self._adv_ready:
             await self._adv_ready.wait_for(lambda: all(s in book.adv for ss in sids for s in ss))
         sign = -1.0 if self.cfg.train.control == "negated" else 1.0  # the negative control of ALGORITHM (f)
-        return [{"adv": [sign * book.adv[s][0] for s in ss], "keep": [not book.adv[s][1] for s in ss],
+        drops = self.drops_zero_std  # Flow-GRPO leaves equal-reward groups out; the forward-process methods train them
+        return [{"adv": [sign * book.adv[s][0] for s in ss], "keep": [not (drops and book.adv[s][1]) for s in ss],
                  "store": book.stored_at[f.index]} for f, ss in zip(token.fragments, sids, strict=True)]
 
     async def _publish(self, version: int) -> dict[str, Any]:
@@ -535,6 +538,7 @@ class Coordinator:
             dropped_messages=dropped, dropped=by_reason,
             rewards={name: float(torch.tensor(_in_sample_order(v)).mean()) for name, v in book.components.items() if v},
             **parity_fields(stats), rows_by_expert=expert_fields(stats),
+            algorithm=algorithm_fields(stats, optim.get("terms", {})),
         ).line()
         if (warning := parity_warning(metrics, self.cfg.train.parity_tolerance)) is not None:
             log.warning("coordinator: %s", warning)

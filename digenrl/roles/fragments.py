@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from digenrl.algorithms import Algorithm, algorithm_for
 from digenrl.config import Config
 from digenrl.data.images import reward_inputs
 from digenrl.errors import StalenessViolation
@@ -28,18 +29,23 @@ from digenrl.models.experts import has_experts, window_range
 from digenrl.models.lora import sampling
 from digenrl.policy import trained_steps
 from digenrl.rl.noise import initial_keys, initial_latents, transition_noise
+from digenrl.rl.ode import ode_step
 from digenrl.rl.sde import sde_step
 from digenrl.rl.steps import plan_steps
 
 __all__ = ["FragmentData", "FragmentEngine", "Scored", "probe_velocity"]
 
-_TRANS = ("sample", "step", "x", "x_next", "sigma", "sigma_next", "log_prob", "noise_level")
 _INDICES = ("sample", "step")  # host indices (TransitionBatch): they pick rows, the math never reads them
 
 
 @dataclass
 class FragmentData:
-    """One fragment's state on its holder. ``geo`` = ``[batch, index, p0, p1, m0, m1, group_size]``."""
+    """One fragment's state on its holder. ``geo`` = ``[batch, index, p0, p1, m0, m1, group_size]``.
+
+    ``trans``: what the trainer will need, recorded so far: Flow-GRPO's trained transitions, or (once
+    finished) a forward-process method's clean samples ``{"sample", "y"}``. ``x0``: a multistep ODE solver's
+    state, the previous step's data prediction (``rl.ode``), which travels with the latents.
+    """
 
     geo: list[int]
     version: int
@@ -48,6 +54,7 @@ class FragmentData:
     cond: dict[str, torch.Tensor]
     trans: list[dict[str, torch.Tensor]] = field(default_factory=list)
     rewards: torch.Tensor | None = None
+    x0: torch.Tensor | None = None
 
     @property
     def key(self) -> tuple[int, int]:
@@ -68,12 +75,13 @@ class FragmentData:
 
     def transitions(self) -> dict[str, torch.Tensor]:
         """All recorded rows, concatenated."""
-        return {k: torch.cat([t[k] for t in self.trans]) for k in _TRANS} if self.trans else {}
+        return {k: torch.cat([t[k] for t in self.trans]) for k in self.trans[0]} if self.trans else {}
 
     def to(self, device: torch.device | str) -> FragmentData:
         """This fragment with its latents, conditioning and recorded values on ``device`` (indices stay on the host)."""
         return replace(self, x=self.x.to(device), cond=cond_to(self.cond, device),
-                       trans=[{k: v if k in _INDICES else v.to(device) for k, v in t.items()} for t in self.trans])
+                       trans=[{k: v if k in _INDICES else v.to(device) for k, v in t.items()} for t in self.trans],
+                       x0=None if self.x0 is None else self.x0.to(device))
 
     def to_wire(self, with_latents: bool = True) -> dict[str, Any]:
         """Plain dict of ints and tensors for the transport (no pickle)."""
@@ -81,6 +89,8 @@ class FragmentData:
                                "cond": self.cond, "trans": self.transitions()}
         if with_latents:
             out["x"] = self.x
+            if self.x0 is not None:
+                out["x0"] = self.x0
         if self.rewards is not None:
             out["rewards"] = self.rewards
         return out
@@ -90,7 +100,7 @@ class FragmentData:
         """The fragment as it arrived, on the host (:meth:`to` places it where its receiver computes)."""
         trans = [d["trans"]] if d.get("trans") else []
         return cls(list(d["geo"]), int(d["version"]), int(d["step"]), d.get("x", torch.zeros(0)),
-                   dict(d["cond"]), trans, d.get("rewards"))
+                   dict(d["cond"]), trans, d.get("rewards"), d.get("x0"))
 
 
 @dataclass
@@ -118,9 +128,11 @@ class FragmentEngine:
     """Generation and scoring of fragments with one model (a rollout actor's, or a trainer's for TAG)."""
 
     def __init__(self, cfg: Config, model: GeneratorModel, reward: Any | None = None,
-                 make_reward: Callable[[], Any] | None = None) -> None:
+                 make_reward: Callable[[], Any] | None = None, algorithm: Algorithm | None = None) -> None:
         self.cfg = cfg
         self.model = model
+        # what the rollout records and with which weights it samples (a trainer's own, with its slow copies)
+        self.algorithm = algorithm or algorithm_for(cfg, model, trains=False)
         self._reward, self._make_reward = reward, make_reward
         self.sigmas = model.sigmas(cfg.rollout.num_steps)
         self.fragments: dict[tuple[int, int], FragmentData] = {}
@@ -153,7 +165,8 @@ class FragmentEngine:
         """A fragment at step 0: its samples' initial latents (per-sample seeds, :mod:`digenrl.rl.noise`)."""
         b, _, p0, p1, m0, m1, g = geo
         frag = FragmentData(list(geo), version, 0, torch.zeros(0), repeat_cond(self._cond(prompts[p0:p1]), m1 - m0))
-        keys = initial_keys(frag.sample_ids(), g, self.cfg.rollout.same_init_noise)
+        # (a deterministic sampler would make a group sharing x_0 one image: only an SDE shares it)
+        keys = initial_keys(frag.sample_ids(), g, self.cfg.rollout.same_init_noise and self.algorithm.coupled)
         frag.x = initial_latents(self.model, self.cfg.log.seed, b, keys)
         return frag
 
@@ -166,10 +179,31 @@ class FragmentEngine:
     def advance(self, frags: list[FragmentData], start: int, stop: int) -> None:
         """Run steps ``[start, stop)`` of ``frags`` (all at ``start``, one version) in batched forwards.
 
-        The forwards run with LoRA merged into fp32 weights (:func:`~digenrl.models.lora.sampling`).
+        The forwards run with the algorithm's sampling weights (DiffusionNFT: the old policy), LoRA merged
+        into fp32 weights (:func:`~digenrl.models.lora.sampling`).
         """
-        with sampling(self.model):
-            self._advance(frags, start, stop)
+        with self.algorithm.sampling(), sampling(self.model):
+            if self.algorithm.coupled:
+                self._advance(frags, start, stop)
+            else:
+                self._integrate(frags, start, stop)
+
+    def _integrate(self, frags: list[FragmentData], start: int, stop: int) -> None:
+        """A forward-process rollout: the deterministic ODE over ``[start, stop)``, no transitions kept."""
+        sizes = [f.num_samples for f in frags]
+        x, cond = torch.cat([f.x for f in frags]), cat_cond([f.cond for f in frags])
+        x0 = torch.cat([f.x0 for f in frags]) if start and frags[0].x0 is not None else None
+        solver = self.algorithm.solver
+        sigmas = self.sigmas.float().to(x.device)
+        for i in range(start, stop):
+            v = self.model.velocity(x, sigmas[i].expand(x.shape[0]), cond)
+            x, x0 = ode_step(solver, x, v, self.sigmas, i, x0)
+        for frag, xs, x0s in zip(frags, x.split(sizes), x0.split(sizes), strict=True):
+            frag.x, frag.x0, frag.step = xs.contiguous(), x0s.contiguous(), stop
+            if stop == self.cfg.rollout.num_steps:
+                # The trainer's data: each sample's clean latent (ALGORITHMS-FORWARD: nothing of the trajectory).
+                frag.trans = [{"sample": torch.arange(frag.num_samples), "y": frag.x}]
+                frag.x0 = None
 
     def _advance(self, frags: list[FragmentData], start: int, stop: int) -> None:
         ro = self.cfg.rollout
@@ -245,7 +279,8 @@ class FragmentEngine:
 
 
 def probe_velocity(engine: FragmentEngine, seed: int) -> torch.Tensor:
-    """Velocity the engine samples with (LoRA merged as in ``advance``) on seeded noise and a fixed prompt.
+    """Velocity the engine samples with (its algorithm's sampling weights, LoRA merged as in ``advance``) on seeded
+    noise and a fixed prompt.
 
     Both rows at the first step's sigma; with experts (Wan2.2 A14B), the second row at the last step's, so
     each expert answers one row.
@@ -254,5 +289,5 @@ def probe_velocity(engine: FragmentEngine, seed: int) -> torch.Tensor:
     x = engine.model.prepare_latents(2, generator=gen)
     cond = repeat_cond(engine.model.encode_prompts(["a red square"]), 2)
     sigma = engine.sigmas[[0, -2] if has_experts(engine.model) else [0, 0]].float()
-    with sampling(engine.model):
+    with engine.algorithm.sampling(), sampling(engine.model):
         return engine.model.velocity(x, sigma, cond)

@@ -31,17 +31,18 @@ import torch
 
 from digenrl.actors import dropped_counts
 from digenrl.actors.base import Actor, endpoint
+from digenrl.algorithms import Backward, algorithm_for
 from digenrl.config import config_from_dict
 from digenrl.errors import ActorDied, ConfigError, StalenessViolation
-from digenrl.models import cat_cond, cond_to, reference
+from digenrl.models import cat_cond, cond_to
 from digenrl.models.experts import expert_splitter
 from digenrl.models.lora import (load_trainable, load_trainable_state_dict, trainable_mode, trainable_parameters,
                                  trainable_state_dict)
 from digenrl.policy import build_model, prepare_for_training
-from digenrl.rl.loss import LossConfig, Sums, host_sums
+from digenrl.rl.loss import Sums, host_sums
 from digenrl.rl.lr import set_lr
 from digenrl.rl.rollout import TransitionBatch
-from digenrl.rl.tsp import packed_backward, parity_recompute, per_step_backward, sliced_backward
+from digenrl.rl.tsp import parity_recompute
 from digenrl.roles.fragments import FragmentData, FragmentEngine, probe_velocity
 from digenrl.roles.rollout import GenerationMixin, limit_threads, reward_builder
 from digenrl.roles.trainer_group import (TrainerGroup, all_reduce_buckets, gathered_state_dict, group_backend,
@@ -85,13 +86,15 @@ class TrainerActor(GenerationMixin, Actor):
         self.group: TrainerGroup | None = None
         self._store: Any = None
         self._new_optimizer()
-        t = cfg.train
-        self.loss_cfg = LossConfig(clip_range=t.clip_range, kl_beta=t.kl_beta, kl_kind=t.kl)  # type: ignore[arg-type]
+        # train.algorithm: its rows, loss, extra weights (an old / EMA policy) and what rollouts sample with
+        self.algorithm = algorithm_for(cfg, self.model, trains=True)
+        self._step_terms: dict[str, float] = {}
         # A trainer that generates (TAG) scores what it finishes when no reward actor does: its reward is built
         # now, on the compute thread (a learned one loads its model there); otherwise at first use.
         make = reward_builder(cfg)
         scores = cfg.trainers_generate and not cfg.placement.reward
-        self.engine = FragmentEngine(cfg, self.model, await self._compute(make) if scores else None, make_reward=make)
+        self.engine = FragmentEngine(cfg, self.model, await self._compute(make) if scores else None, make_reward=make,
+                                     algorithm=self.algorithm)
         self.store: dict[tuple[int, int], FragmentData] = {}
         self.version = 0
         self._previous: dict[str, torch.Tensor] | None = None  # version - 1's weights, for a stale checkpoint
@@ -156,6 +159,8 @@ class TrainerActor(GenerationMixin, Actor):
         if self.shard == "fsdp":
             shard_model(self.model, t.fp32_master and self.cfg.model.dtype != "float32")
             self._new_optimizer()
+            # the slow copies, taken again from the sharded weights (each member its shards)
+            self.algorithm = self.engine.algorithm = algorithm_for(self.cfg, self.model, trains=True)
 
     @property
     def lead(self) -> bool:
@@ -215,14 +220,12 @@ class TrainerActor(GenerationMixin, Actor):
         parts, offsets, conds, advs, rows = [], [], [], [], []
         offset = 0
         for (s, e), frag, info in zip(token["rows"], data, frags, strict=True):
-            t = frag.transitions()
             keep = torch.tensor(info["keep"], dtype=torch.bool)
-            sel = torch.arange(s, e)
-            sel = sel[keep[t["sample"][s:e]]]
-            rows.append([frag.geo[1], s, e, int(sel.numel())])
-            if sel.numel():
-                parts.append(TransitionBatch(**{k: t[k][sel] for k in t}, kind=self.cfg.rollout.sde,  # type: ignore[arg-type]
-                                             policy_version=frag.version))
+            part = self.algorithm.token_rows(frag.transitions(), (s, e), keep, frag.geo[0], frag.sample_ids(),
+                                             frag.version)
+            rows.append([frag.geo[1], s, e, len(part) if part is not None else 0])
+            if part is not None:
+                parts.append(part)
                 offsets.append(offset)
             conds.append(frag.cond)
             advs.append(torch.tensor(info["adv"], dtype=torch.float32))
@@ -231,7 +234,7 @@ class TrainerActor(GenerationMixin, Actor):
             return [], rows if self._reports_rows else []
         # The token's inputs arrived over the wire (on the host): placed on the model's device here, once.
         device = self.model.device
-        batch = TransitionBatch.cat(parts, offsets).to(device)
+        batch = self.algorithm.cat_rows(parts, offsets).to(device)
         cond, adv = cond_to(cat_cond(conds), device), torch.cat(advs).to(device)
         sums = self._backward(batch, cond, adv, packed=token.get("packed", True))
         return host_sums(sums), rows if self._reports_rows else []
@@ -241,25 +244,18 @@ class TrainerActor(GenerationMixin, Actor):
         # Under FSDP every member runs every token (each its slice of the rows): the lead reports them, once.
         return self.shard != "fsdp" or self.lead
 
-    def _backward(self, batch: TransitionBatch, cond: dict[str, torch.Tensor], adv: torch.Tensor,
+    def _backward(self, batch: Any, cond: dict[str, torch.Tensor], adv: torch.Tensor,
                   packed: bool = True) -> list[Sums]:
         """A token's forward/backward passes (and a stale batch's parity recompute) on the model's device."""
-        ref = self._ref_velocity if self.loss_cfg.kl_beta > 0 else None
-        on_policy = batch.policy_version == self.version  # then the training forward also measures parity
-        per = self.cfg.train.rows_per_pass or None
-        experts = expert_splitter(self.model)  # a mixture of experts: passes by expert, rows_by_expert counted
+        on_policy = batch.policy_version == self.version
+        # a mixture of experts: passes by expert, rows_by_expert counted
+        plan = Backward("packed" if packed else "per_step", self.cfg.train.rows_per_pass or None,
+                        experts=expert_splitter(self.model))
         if self.shard == "fsdp":
             assert self.group is not None
-            sums = sliced_backward(self.model.velocity, batch, cond, adv, self.loss_cfg, rank=self.group.rank,
-                                   world=self.group.world_size, rows_per_pass=per, normalizer=1.0, ref_velocity=ref,
-                                   parity=on_policy, experts=experts)
-        elif packed:
-            sums = packed_backward(self.model.velocity, batch, cond, adv, self.loss_cfg, rows_per_pass=per,
-                                   normalizer=1.0, ref_velocity=ref, parity=on_policy, experts=experts)
-        else:
-            sums = per_step_backward(self.model.velocity, batch, cond, adv, self.loss_cfg, normalizer=1.0,
-                                     ref_velocity=ref, parity=on_policy, experts=experts)
-        if not on_policy and self.cfg.train.check_parity:
+            plan.mode, plan.rank, plan.world = "sliced", self.group.rank, self.group.world_size
+        sums = self.algorithm.backward(batch, cond, adv, plan, version=self.version)
+        if not on_policy and self.cfg.train.check_parity and isinstance(batch, TransitionBatch):
             parity = self._behaviour_parity(batch, cond)  # (under FSDP a forward: every member runs it)
             sums += [parity] if self._reports_rows else []
         return sums
@@ -275,10 +271,6 @@ class TrainerActor(GenerationMixin, Actor):
             return parity_recompute(self.model.velocity, batch, cond, PARITY_SAMPLE_ROWS)
         finally:
             load_trainable_state_dict(self.model, current)  # bit for bit: gradients and optimizer untouched
-
-    def _ref_velocity(self, x: torch.Tensor, sigma: torch.Tensor, cond: dict[str, torch.Tensor]) -> torch.Tensor:
-        with reference(self.model):
-            return self.model.velocity(x, sigma, cond)
 
     @endpoint
     async def optim(self, batch: int, total_rows: int, keep_previous: bool = False) -> dict[str, Any]:
@@ -297,16 +289,24 @@ class TrainerActor(GenerationMixin, Actor):
             raise StalenessViolation(f"{self.name} at version {self.version} asked to step batch {batch}")
         grad_norm = await self._compute(self._optim_compute, total_rows, keep_previous)
         self.version = batch + 1
+        terms = self._step_terms
         for key in [k for k in self.store if k[0] <= batch]:
             del self.store[key]
         for key in [k for k in self.engine.fragments if k[0] <= batch]:
             del self.engine.fragments[key]
-        return {"grad_norm": grad_norm, "version": self.version, "t0": t0, "t1": time.time()}
+        return {"grad_norm": grad_norm, "version": self.version, "terms": terms, "t0": t0, "t1": time.time()}
 
     def _optim_compute(self, total_rows: int, keep_previous: bool) -> float:
-        self._previous = trainable_state_dict(self.model) if keep_previous else None
-        keep_behaviour = self.cfg.train.check_parity and self.staleness > 0
+        # version - 1's sampling weights (DiffusionNFT: the old policy), for a stale checkpoint and parity
+        self._previous = self.algorithm.sampling_state() if keep_previous else None
+        keep_behaviour = self.cfg.train.check_parity and self.staleness > 0 and self.algorithm.coupled
         self._behaviour = (self._previous or trainable_state_dict(self.model)) if keep_behaviour else None
+        try:
+            return self._step(total_rows)
+        finally:  # the algorithm's slow copies follow the weights of version + 1 (taken or not)
+            self._step_terms = self.algorithm.after_step(self.version + 1)
+
+    def _step(self, total_rows: int) -> float:
         if total_rows == 0:  # every group had identical rewards: nothing to learn from (as colocated)
             self.optimizer.zero_grad(set_to_none=True)
             return 0.0
@@ -341,7 +341,7 @@ class TrainerActor(GenerationMixin, Actor):
             StalenessViolation: this trainer does not hold ``version``.
         """
         if version == self.version:
-            sd = trainable_state_dict(self.model, copy_tensors=self.shard != "fsdp")
+            sd = self.algorithm.sampling_state()  # what rollouts sample with (DiffusionNFT: the old policy)
         elif version == self.version - 1 and self._previous is not None:
             sd = self._previous
         else:
@@ -477,7 +477,9 @@ class TrainerActor(GenerationMixin, Actor):
         from safetensors.torch import save_file
 
         meta = {"digenrl_mode": str(trainable_mode(self.model)), "model": str(self.model.name)}
-        weights = self._weights(self.version)
+        weights = self._gathered(trainable_state_dict(self.model, copy_tensors=self.shard != "fsdp"))
+        # the algorithm's slow copies (DiffusionNFT's old policy: old.safetensors), gathered like the weights
+        extra = {stem: self._gathered(sd) for stem, sd in self.algorithm.extra_state().items()}
         optim = self._optimizer_state()
         previous = self._weights(self.version - 1) if self._previous is not None else None
         if not self.lead:
@@ -485,10 +487,17 @@ class TrainerActor(GenerationMixin, Actor):
         save_file({k: v.contiguous() for k, v in weights.items()}, str(d / "trainable.safetensors"), metadata=meta)
         torch.save(optim, d / "optimizer.pt")
         files = [str(d / "trainable.safetensors"), str(d / "optimizer.pt")]
+        for stem, sd in extra.items():
+            save_file({k: v.contiguous() for k, v in sd.items()}, str(d / f"{stem}.safetensors"))
+            files.append(str(d / f"{stem}.safetensors"))
         if previous is not None:
             save_file({k: v.contiguous() for k, v in previous.items()}, str(d / PREVIOUS_WEIGHTS))
             files.append(str(d / PREVIOUS_WEIGHTS))
         return files
+
+    def _gathered(self, sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Full tensors of ``sd`` (under FSDP gathered, on the lead only; every member calls this together)."""
+        return gathered_state_dict(sd, keep=self.lead) if self.shard == "fsdp" else sd
 
     def _optimizer_state(self) -> dict[str, Any]:
         if self.shard != "fsdp":
@@ -533,4 +542,29 @@ class TrainerActor(GenerationMixin, Actor):
             if previous.keys() != own.keys() or any(previous[k].shape != own[k].shape for k in own):
                 raise ConfigError(f"{d / PREVIOUS_WEIGHTS}: its tensors do not match this model's trainable weights")
             self._previous = previous
+        self._load_extra(d)
         return self._digest()
+
+    def _load_extra(self, d: Path) -> None:
+        """Restore the algorithm's slow copies from checkpoint ``d`` (a missing file: that copy stays as it is).
+
+        Raises:
+            ConfigError: such a file that cannot be read or does not match the trainable weights.
+        """
+        from safetensors.torch import load_file
+
+        out = {}
+        for stem in self.algorithm.extra_state():
+            path = d / f"{stem}.safetensors"
+            if not path.is_file():
+                log.warning("%s: no %s in the checkpoint; the %s copy restarts from the trained weights", self.name,
+                            path.name, stem)
+                continue
+            try:
+                out[stem] = load_file(str(path))
+            except Exception as exc:  # safetensors raises its own error types for a truncated or garbled file
+                raise ConfigError(f"{path}: not a readable safetensors file ({exc})") from exc
+        try:
+            self.algorithm.load_extra_state(out)
+        except ValueError as exc:
+            raise ConfigError(f"{d}: {exc}") from exc

@@ -16,13 +16,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["StepMetrics", "LOSS_KEYS", "PHASE_KEYS", "PARITY_KEYS", "METRIC_KEYS", "MetricsLog", "parity_fields",
+__all__ = ["StepMetrics", "LOSS_KEYS", "ALGORITHM_KEYS", "algorithm_fields", "PHASE_KEYS", "PARITY_KEYS", "METRIC_KEYS", "MetricsLog", "parity_fields",
            "parity_warning", "total_drops", "expert_fields"]
 
 log = logging.getLogger(__name__)
 
 #: Per-row means of the clipped-surrogate diagnostics (``digenrl.rl.loss.reduce_stats``).
 LOSS_KEYS = ("policy_loss", "kl", "approx_kl", "clipfrac", "clipfrac_gt_one", "clipfrac_lt_one", "ratio", "ratio_dev")
+#: Per-row means of a forward-process algorithm's own diagnostics (``digenrl.rl.forward``): DiffusionNFT's
+#: ``mean_d (v - v_old)^2`` and weighted positive / negative errors, AWM's KL to its EMA policy.
+ALGORITHM_KEYS = ("old_deviate", "nft_pos", "nft_neg", "ema_kl")
 #: Seconds the batch's work took in each phase, summed over devices: denoising steps, VAE decode,
 #: reward scoring, and training (forward/backward and the optimizer step).
 PHASE_KEYS = ("t_rollout", "t_decode", "t_reward", "t_train")
@@ -64,6 +67,9 @@ class StepMetrics:
             reason (``dropped/<reason>`` in the line, e.g. ``dropped/garbage``). 0 in the colocated loop.
         rows_by_expert: a mixture-of-experts model (Wan2.2 A14B): the trained rows each expert ran
             (``rows_by_expert/high``, ``rows_by_expert/low`` in the line); empty for other models.
+        algorithm: the training algorithm's own terms (``algorithm/<name>`` in the line): per-row means of
+            :data:`ALGORITHM_KEYS` and the decay its slow copy moved with after the step (``old_decay``,
+            ``ema_decay``); empty for Flow-GRPO.
     """
 
     step: int
@@ -102,6 +108,7 @@ class StepMetrics:
     rewards: dict[str, float] = field(default_factory=dict)
     dropped: dict[str, int] = field(default_factory=dict)
     rows_by_expert: dict[str, int] = field(default_factory=dict)
+    algorithm: dict[str, float] = field(default_factory=dict)
 
     def line(self) -> dict[str, Any]:
         """The flat ``metrics.jsonl`` form."""
@@ -109,10 +116,11 @@ class StepMetrics:
         out.update({f"reward/{name}": value for name, value in self.rewards.items()})
         out.update({f"dropped/{reason}": n for reason, n in sorted(self.dropped.items())})
         out.update({f"rows_by_expert/{label}": n for label, n in self.rows_by_expert.items()})
+        out.update({f"algorithm/{name}": v for name, v in self.algorithm.items()})
         return out
 
 
-_MAPS = ("rewards", "dropped", "rows_by_expert")  # flattened into ``<prefix>/<name>`` keys by ``line``
+_MAPS = ("rewards", "dropped", "rows_by_expert", "algorithm")  # flattened into ``<prefix>/<name>`` keys by ``line``
 
 #: Keys every ``metrics.jsonl`` line has, whatever the schedule (``reward/<name>`` and ``dropped/<reason>``
 #: keys follow the config and what was dropped).
@@ -201,3 +209,8 @@ class MetricsLog:
         if self._tb is not None:
             self._tb.close()
             self._tb = None
+
+
+def algorithm_fields(stats: dict[str, float], step_terms: dict[str, float]) -> dict[str, float]:
+    """The ``algorithm`` field: the :data:`ALGORITHM_KEYS` found in reduced loss stats, and the step's own terms."""
+    return {**{k: stats[k] for k in ALGORITHM_KEYS if k in stats}, **step_terms}

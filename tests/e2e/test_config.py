@@ -31,7 +31,7 @@ def test_shipped_config_loads_with_overrides() -> None:
     ("override", "message"),
     [
         ("train.kl=l3", r"train.kl: 'l3' is not allowed; allowed: 'exact', 'g2'"),
-        ("train.lrr=1", r"train.lrr: unknown key; allowed in \[train\]: iterations, lr"),
+        ("train.lrr=1", r"train.lrr: unknown key; allowed in \[train\]: algorithm, iterations, lr"),
         ("trian.lr=1", r"\[trian\]: unknown table; allowed: model, rollout"),
         ("train.lr=fast", r"train.lr: must be a number, got 'fast'"),
         ("train.lr=-1", r"train.lr: must be > 0"),

@@ -1,0 +1,116 @@
+"""The seam every training algorithm sits behind: what its rollout records, its rows, its loss, its extra state.
+
+Schedules, the coordinator, transports and the simulator see samples, rows and tokens (a sample has
+:func:`digenrl.policy.trained_steps` rows; row ``i * T + t`` is local sample ``i``'s ``t``-th), never an
+algorithm's name. An :class:`Algorithm` is built once per process that trains or samples, beside its model:
+
+* the rollout asks :attr:`coupled`: SDE transitions with their behaviour log-probs (Flow-GRPO), or a
+  deterministic ODE (:attr:`solver`) that ships only the clean sample (DiffusionNFT, AWM);
+* the trainer turns a fragment's stored tensors into a token's rows (:meth:`token_rows`), runs their
+  forward/backward passes (:meth:`backward`), and after each optimizer step moves its extra weights
+  (:meth:`after_step`); :meth:`sampling` is the context whose weights the rollout samples with (what the
+  trainer publishes: :meth:`sampling_state`), and :meth:`extra_state` what a checkpoint must carry.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from digenrl.config import Config
+from digenrl.models.lora import trainable_state_dict
+from digenrl.rl.loss import Sums
+
+__all__ = ["Algorithm", "Backward"]
+
+
+class Backward:
+    """How a token's rows are cut into forward/backward passes (:mod:`digenrl.rl.tsp`).
+
+    Attributes:
+        mode: ``"packed"`` (TSP passes of ``rows_per_pass``), ``"per_step"`` (one pass per grid step, the
+            references' loop) or ``"sliced"`` (this FSDP rank's share, as many passes as every rank).
+        rows_per_pass: rows per pass (None: all in one).
+        rank, world: the FSDP rank and group size (``"sliced"``).
+        experts: a mixture-of-experts model's row split.
+        normalizer: the passes' loss is ``sum(rows) / normalizer``.
+    """
+
+    def __init__(self, mode: str = "packed", rows_per_pass: int | None = None, rank: int = 0, world: int = 1,
+                 experts: Any = None, normalizer: float = 1.0) -> None:
+        self.mode, self.rows_per_pass, self.rank, self.world = mode, rows_per_pass, rank, world
+        self.experts, self.normalizer = experts, normalizer
+
+
+class Algorithm:
+    """One training algorithm's behaviour (subclasses in this package; :func:`digenrl.algorithms.algorithm_for`).
+
+    Args:
+        cfg: the run config.
+        model: the generator this process holds (trained or frozen).
+        trains: this process trains (it holds the algorithm's extra weights, e.g. an old policy).
+    """
+
+    name = ""
+    coupled = True  # the rollout ships SDE transitions (True) or only clean samples (False)
+    drops_zero_std = True  # a group whose rewards are all equal is left out of training
+
+    def __init__(self, cfg: Config, model: Any, trains: bool = True) -> None:
+        self.cfg, self.model, self.trains = cfg, model, trains
+        self.sigmas = model.sigmas(cfg.rollout.num_steps)
+
+    @property
+    def solver(self) -> str:
+        """The rollout's ODE solver (``rollout.solver``) of an uncoupled algorithm."""
+        return self.cfg.rollout.solver
+
+    # -- the weights the rollout samples with --------------------------------------------------
+    @contextlib.contextmanager
+    def sampling(self) -> Iterator[None]:
+        """Within the block this process's model has the weights rollouts sample with (default: the trained ones)."""
+        yield
+
+    def sampling_state(self) -> dict[str, torch.Tensor]:
+        """Those weights' tensors (what the trainer publishes), copied."""
+        return trainable_state_dict(self.model)
+
+    # -- training ---------------------------------------------------------------------------------
+    def token_rows(self, trans: dict[str, torch.Tensor], rows: tuple[int, int], keep: torch.Tensor, batch: int,
+                   sample_ids: list[int], version: int) -> Any | None:
+        """The rows ``[s, e)`` of one fragment that ``keep`` (per local sample) keeps, on the host; None if none.
+
+        Args:
+            trans: the fragment's stored tensors (``FragmentData.transitions()``).
+            rows: ``(s, e)``.
+            keep: ``[n]`` bool per local sample.
+            batch: the logical batch (it seeds the forward-process rows).
+            sample_ids: the fragment's batch-level sample ids, in local order.
+            version: the policy version that sampled the fragment.
+        """
+        raise NotImplementedError
+
+    @staticmethod
+    def cat_rows(parts: list[Any], offsets: list[int]) -> Any:
+        """Concatenate :meth:`token_rows` results, shifting sample indices by ``offsets``."""
+        return type(parts[0]).cat(parts, offsets)
+
+    def backward(self, batch: Any, cond: dict[str, torch.Tensor], adv: torch.Tensor, plan: Backward, *,
+                 version: int) -> list[Sums]:
+        """Forward/backward over ``batch`` (on the model's device); gradients accumulate. ``version`` is the
+        trainer's: rows sampled by it are on-policy. Returns per-pass diagnostic sums."""
+        raise NotImplementedError
+
+    def after_step(self, steps: int) -> dict[str, float]:
+        """After an optimizer step (``steps`` taken in all): move the extra weights; returns what to log."""
+        return {}
+
+    # -- checkpoints ------------------------------------------------------------------------------
+    def extra_state(self) -> dict[str, dict[str, torch.Tensor]]:
+        """Extra weights a checkpoint carries, by file stem (``old`` -> ``old.safetensors``)."""
+        return {}
+
+    def load_extra_state(self, states: dict[str, dict[str, torch.Tensor]]) -> None:
+        """Restore :meth:`extra_state` (a checkpoint without them resumes with copies of the trained weights)."""
