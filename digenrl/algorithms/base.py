@@ -103,6 +103,11 @@ class Algorithm:
         trainer's: rows sampled by it are on-policy. Returns per-pass diagnostic sums."""
         raise NotImplementedError
 
+    def parity_recompute(self, batch: Any, cond: dict[str, torch.Tensor], max_rows: int) -> Sums:
+        """Rollout/trainer parity of some of ``batch``'s rows under the weights loaded now, which must be those
+        that sampled them (``digenrl.rl.loss.parity_sums``)."""
+        raise NotImplementedError
+
     def after_step(self, steps: int) -> dict[str, float]:
         """After an optimizer step (``steps`` taken in all): move the extra weights; returns what to log."""
         return {}

@@ -14,7 +14,7 @@ from digenrl.algorithms.base import Algorithm, Backward
 from digenrl.models import reference
 from digenrl.rl.loss import LossConfig, Sums
 from digenrl.rl.rollout import TransitionBatch
-from digenrl.rl.tsp import packed_backward, per_step_backward, sliced_backward
+from digenrl.rl.tsp import packed_backward, parity_recompute, per_step_backward, sliced_backward
 
 __all__ = ["FlowGrpo", "reference_velocity"]
 
@@ -58,3 +58,6 @@ class FlowGrpo(Algorithm):
         if plan.mode == "per_step":
             return per_step_backward(v, batch, cond, adv, self.loss_cfg, **common)
         return packed_backward(v, batch, cond, adv, self.loss_cfg, rows_per_pass=plan.rows_per_pass, **common)
+
+    def parity_recompute(self, batch: TransitionBatch, cond: dict[str, torch.Tensor], max_rows: int) -> Sums:
+        return parity_recompute(self.model.velocity, batch, cond, max_rows)

@@ -20,9 +20,10 @@ from digenrl.algorithms._copy import PolicyCopy
 from digenrl.algorithms.base import Algorithm, Backward
 from digenrl.algorithms.flow_grpo import reference_velocity
 from digenrl.policy import trained_steps
-from digenrl.rl.forward import ForwardRows
-from digenrl.rl.loss import Sums
-from digenrl.rl.noise import level_indices, training_noise
+from digenrl.models import index_cond
+from digenrl.rl.forward import ForwardRows, velocity_probe
+from digenrl.rl.loss import Sums, parity_sums
+from digenrl.rl.noise import initial_latents, level_indices, probe_direction, training_noise
 from digenrl.rl.tsp import packed_backward, per_step_backward, sliced_backward
 
 __all__ = ["ForwardProcess"]
@@ -66,7 +67,8 @@ class ForwardProcess(Algorithm):
         local = torch.tensor([i for i, _ in picked], dtype=torch.long)
         eps = torch.stack([training_noise(seed, batch, sample_ids[i], k, y.shape[1:]) for i, k in picked])
         return ForwardRows(sample=local, step=step, y=y[local].float(), eps=eps, sigma=self.sigmas.float()[step],
-                           policy_version=version)
+                           sample_id=torch.tensor(sample_ids, dtype=torch.long)[local], probe=trans["probe"][local].float(),
+                           batch=batch, policy_version=version)
 
     def backward(self, batch: ForwardRows, cond: dict[str, torch.Tensor], adv: torch.Tensor, plan: Backward, *,
                  version: int) -> list[Sums]:
@@ -75,11 +77,34 @@ class ForwardProcess(Algorithm):
         common = dict(normalizer=plan.normalizer, ref_velocity=ref, parity=False, experts=plan.experts, backward=run)
         v = self.model.velocity
         if plan.mode == "sliced":
-            return sliced_backward(v, batch, cond, adv, self.loss_cfg, rank=plan.rank, world=plan.world,
+            sums = sliced_backward(v, batch, cond, adv, self.loss_cfg, rank=plan.rank, world=plan.world,
                                    rows_per_pass=plan.rows_per_pass, **common)
-        if plan.mode == "per_step":
-            return per_step_backward(v, batch, cond, adv, self.loss_cfg, **common)
-        return packed_backward(v, batch, cond, adv, self.loss_cfg, rows_per_pass=plan.rows_per_pass, **common)
+        elif plan.mode == "per_step":
+            sums = per_step_backward(v, batch, cond, adv, self.loss_cfg, **common)
+        else:
+            sums = packed_backward(v, batch, cond, adv, self.loss_cfg, rows_per_pass=plan.rows_per_pass, **common)
+        if batch.policy_version == version:  # the weights that sampled the rows are at hand: parity (every rank)
+            with self.sampling():
+                parity = self.parity_recompute(batch, cond, self.parity_samples)
+            sums.append(parity if plan.rank == 0 else {})
+        return sums
+
+    parity_samples = 16  # samples of an on-policy token whose first step the trainer recomputes
+
+    def parity_recompute(self, batch: ForwardRows, cond: dict[str, torch.Tensor], max_samples: int) -> Sums:
+        """Parity of up to ``max_samples`` of the rows' samples under the weights loaded now (those that sampled
+        them): their first ODE step's velocity probe, recomputed from their seeded initial noise, against the
+        rollout's (:func:`~digenrl.rl.forward.velocity_probe`, read as a log-prob by ``parity_sums``)."""
+        if len(batch) == 0:
+            return {"parity_rows": 0.0}
+        first = {int(s): r for r, s in reversed(list(enumerate(batch.sample_id.tolist())))}  # a row per sample
+        rows = torch.tensor(sorted(first.values())[:max_samples], dtype=torch.long)
+        sub = batch.rows(rows)
+        model = self.model
+        with torch.no_grad():
+            x = initial_latents(model, self.cfg.log.seed, batch.batch, sub.sample_id.tolist()).to(batch.sigma.device)
+            v = model.velocity(x, self.sigmas.float().to(x.device)[0].expand(len(sub)), index_cond(cond, sub.sample))
+            return parity_sums(velocity_probe(v, probe_direction(self.cfg.log.seed, v.shape[1:])), sub.probe)
 
     def rows_backward(self, velocity: Any, batch: ForwardRows, cond: dict[str, torch.Tensor], advantages: torch.Tensor,
                       cfg: Any, *, normalizer: float, ref_velocity: Any, parity: bool, on_policy: bool) -> Sums:

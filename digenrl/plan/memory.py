@@ -5,15 +5,20 @@
 counts, per role:
 
 * weights: the transformer in ``model.dtype`` (trainers: divided over the group under FSDP, plus a
-  frozen reference copy for full fine-tuning with a KL term; FSDP also gathers two blocks at a time);
+  frozen reference copy for full fine-tuning with the algorithm's KL term; FSDP also gathers two blocks at a time);
+* slow copy (DiffusionNFT's old policy, AWM's EMA policy; ``plan/rows.py``): every trainer keeps a second copy of
+  the trained weights in their own dtype, a second LoRA adapter or (``model.finetune = "full"``) a second
+  transformer (divided over the group under FSDP: each member its shards);
 * trainable: LoRA (``r·(in + out)`` per targeted linear) or every transformer parameter, in
   ``model.dtype`` for LoRA plus an fp32 master copy when ``train.fp32_master`` and the model is not fp32;
 * gradients (fp32 with ``train.fp32_master``, else the model dtype) and Adam's two fp32 moments;
 * activations: the peak of one forward + backward of ``rows_per_pass`` rows (both CFG branches where the
   model runs them), **traced** at the real dimensions on the meta device (``plan/trace.py``: every
   tensor an operator creates, attention as a fused kernel keeps it, depth extrapolated from two- and
-  three-block copies); rollout devices: the peak of one no-grad forward of a rollout token's samples,
-  or of decoding one fragment, whichever is larger;
+  three-block copies), plus the fp32 velocities of the loss's no-grad forwards (old policy, reference, EMA)
+  held through it; a slow copy's forward also holds the trained weights it swapped out (``PolicyCopy.active``
+  clones them) beside that forward's own peak; rollout devices: the peak of one no-grad forward of a rollout
+  token's samples, or of decoding one fragment, whichever is larger;
 * Wan2.2 A14B's two experts (``transformer`` and ``transformer_2``, 14 B each): every role that runs the
   policy holds both, unless ``model.expert_offload``: then the idle expert's frozen weights wait in host
   memory (``host (offloaded)``) and one expert is on the device at a time; trained weights (LoRA, a fully
@@ -50,6 +55,7 @@ import torch
 
 from digenrl.config import Config
 from digenrl.errors import ConfigError
+from digenrl.plan.rows import Boundary, boundary, kl_beta, latent_bytes, nograd_forwards, slow_copies
 
 __all__ = ["SharedGpu", "planned_vs_measured", "RESERVE_BYTES", "RoleMemory", "RewardModelMemory", "MemoryPlan", "memory_plan", "check_memory", "device_capacity"]
 
@@ -71,6 +77,7 @@ class RoleMemory:
     device: str = ""  # the device type it runs on
     weights: int = 0
     reference: int = 0
+    slow_copy: int = 0  # the old / EMA policy's copy of the trained weights (forward-process algorithms)
     trainable_params: int = 0
     trainable: int = 0
     grads: int = 0
@@ -85,8 +92,8 @@ class RoleMemory:
 
     @property
     def bytes_per_device(self) -> int:
-        return (self.weights + self.reference + self.trainable + self.grads + self.optimizer + self.activations
-                + self.vae + self.text_encoders + self.reward_models)
+        return (self.weights + self.reference + self.slow_copy + self.trainable + self.grads + self.optimizer
+                + self.activations + self.vae + self.text_encoders + self.reward_models)
 
     @property
     def headroom(self) -> int:
@@ -128,6 +135,7 @@ class MemoryPlan:
     # and whether the idle expert waits in host memory (model.expert_offload)
     expert_params: int = 0
     expert_offload: bool = False
+    boundary: Boundary | None = None  # bytes a sample moves from the rollout to the trainer (plan/rows.py)
 
     @property
     def fits(self) -> bool:
@@ -145,6 +153,7 @@ class MemoryPlan:
             "roles": {name: r.to_json() for name, r in self.roles.items()},
             "reward_models": [asdict(m) for m in self.rewards],
             **({"shared_gpus": [g.to_json() for g in self.shared]} if self.shared else {}),
+            **({"boundary": self.boundary.to_json()} if self.boundary else {}),
             "fits": self.fits,
         }
 
@@ -481,6 +490,10 @@ def memory_plan(cfg: Config, traces: Traces | None = None) -> MemoryPlan:
     div = n_trainer if shard == "fsdp" else 1
     text_bytes = n_text * nbytes
     vae_bytes = n_vae * nbytes
+    # the trained weights' own dtype (policy.prepare_for_training: fp32 LoRA, fp32 FSDP shards under fp32_master)
+    trained_bytes = 4 if master and (lora or shard == "fsdp") else nbytes
+    copy = slow_copies(cfg) * n_train * trained_bytes // div
+    passes = _loss_passes(cfg, traces, parts.vae, rows, train_act, copy)
 
     def trainer(role: str, devices: int, generates: bool) -> RoleMemory:
         r = RoleMemory(role, devices, device, capacity=capacity, trainable_params=n_train)
@@ -490,15 +503,22 @@ def memory_plan(cfg: Config, traces: Traces | None = None) -> MemoryPlan:
         if shard == "fsdp":
             r.weights += 2 * _largest_block(parts.transformer) * nbytes  # the gathered block and the prefetched one
             r.notes.append(f"fsdp over {n_trainer} trainers")
-        if not lora and tr.kl_beta > 0:
+        if not lora and kl_beta(cfg) > 0:
             r.reference = n_train * nbytes // div  # (every trained expert's)
-            r.notes.append("frozen reference copy (full fine-tune, kl_beta > 0)")
+            r.notes.append("frozen reference copy (full fine-tune, KL weight > 0)")
+        if copy:
+            r.slow_copy = copy
+            r.notes.append(f"slow copy of the trained weights ({cfg.train.algorithm}'s {_COPY[cfg.train.algorithm]}, "
+                           f"{'a second LoRA adapter' if lora else 'a second transformer'} in "
+                           f"{'fp32' if trained_bytes == 4 else m.dtype}): {copy / GB:.2f} GB")
         r.trainable = (n_train * nbytes if lora else 0) + n_train * master // div
         r.grads = n_train * grad_bytes // div
         r.optimizer = n_train * 8 // div
-        r.activations = train_act
+        r.activations = passes.peak
+        r.notes += passes.notes
         if generates:
-            r.activations = max(train_act, rollout_act)
+            # (a sampling copy swaps in as for the loss: DiffusionNFT samples with its old policy)
+            r.activations = max(passes.peak, rollout_act + (copy if cfg.train.algorithm == "nft" else 0))
             _hold_vae_and_text_encoders(r, vae_bytes, text_bytes, m.offload_text_encoder)
             r.notes.append("also generates (TAG/colocated): VAE and rollout activations")
         return r
@@ -529,13 +549,48 @@ def memory_plan(cfg: Config, traces: Traces | None = None) -> MemoryPlan:
             r.notes.append("decodes and scores; also holds the frozen policy RewardActor builds for its VAE (the "
                            "transformer and text encoders are unused there)")
     models = _place_rewards(cfg, roles)
+    crossing = boundary(cfg, parts.transformer, parts.vae, traces.text_len, traces.branches, nbytes,
+                        _cond_tokens(traces))
     return MemoryPlan(m.name, getattr(parts, "variant", ""), m.preset, device, capacity, shard, n_transformer, n_text,
                       n_vae, rows, ACTIVATIONS_METHOD + _conditioning_note(traces), roles, shared=_shared_gpus(cfg, roles),
                       rewards=models,
                       train_row_bytes=(train_act - act.one_row) // (rows - 1) if rows > 1 else act.one_row,
                       train_activations=train_act, rollout_forward=act.forward, decode_sample=decode_act,
                       decode_samples=act.decode_samples,
-                      expert_params=experts.second, expert_offload=experts.offload)
+                      expert_params=experts.second, expert_offload=experts.offload, boundary=crossing)
+
+
+_COPY = {"nft": "old policy", "awm": "EMA policy"}
+
+
+@dataclass(frozen=True)
+class _LossPasses:
+    """A training pass's peak with the loss's no-grad forwards: the traced forward + backward plus the fp32
+    velocities those forwards hold through it, or a slow copy's no-grad forward beside the trained weights it
+    swapped out, whichever is larger (bytes; ``notes`` say what was added)."""
+
+    peak: int
+    notes: list[str]
+
+
+def _loss_passes(cfg: Config, traces: Traces, vae: Any, rows: int, train_act: int, copy: int) -> _LossPasses:
+    forwards = nograd_forwards(cfg)
+    if not forwards:
+        return _LossPasses(train_act, [])
+    held = forwards * rows * latent_bytes(cfg, vae)
+    swapped = traces.forward(rows * traces.branches) + copy if copy else 0
+    note = (f"loss: {forwards} no-grad forward(s) a row; their velocities held through the training pass: "
+            f"{held / GB:.3f} GB" + (f"; the slow copy's forward ({swapped / GB:.2f} GB with the trained weights it "
+                                     "swaps out) is smaller" if copy and swapped <= train_act + held else
+                                     f"; the slow copy's forward with the trained weights it swaps out is the peak: "
+                                     f"{swapped / GB:.2f} GB" if copy else ""))
+    return _LossPasses(max(train_act + held, swapped), [note])
+
+
+def _cond_tokens(traces: Traces) -> int:
+    """Qwen-Image-Edit's input-image tokens in one sample's conditioning (0 for other models)."""
+    hw = traces.cond_hw
+    return 0 if hw is None else traces.cond_images * (hw[0] // 16) * (hw[1] // 16)
 
 
 @dataclass(frozen=True)

@@ -46,7 +46,8 @@ from digenrl.rewards.failures import FailureBudget
 from digenrl.rl.advantages import reward_advantages
 from digenrl.rl.loss import LossConfig, Sums, reduce_stats
 from digenrl.rl.lr import set_lr
-from digenrl.rl.noise import initial_keys, initial_latents, transition_noise
+from digenrl.rl.forward import velocity_probe
+from digenrl.rl.noise import initial_keys, initial_latents, probe_direction, transition_noise
 from digenrl.rl.ode import ode_step
 from digenrl.rl.rollout import rollout_steps
 from digenrl.rl.steps import plan_steps
@@ -149,7 +150,7 @@ def iteration(run: ColocatedRun, it: int) -> tuple[dict[str, Any], torch.Tensor,
                                 policy_version=it)
             clean = res.x
         else:
-            clean = _integrate(model, x0, cond, run.sigmas, algo.solver)
+            clean, probe = _integrate(model, x0, cond, run.sigmas, algo.solver, cfg.log.seed)
     t1 = time.perf_counter()
     images = decode_in_chunks(model, clean, ro.decode_batch)
     t2 = time.perf_counter()
@@ -176,7 +177,8 @@ def iteration(run: ColocatedRun, it: int) -> tuple[dict[str, Any], torch.Tensor,
         rows_trained = len(res.transitions)
     else:  # every sample's rows, equal-reward groups too (both references train them)
         rows = (0, len(prompts) * algo.rows_per_sample)  # type: ignore[attr-defined]
-        batch = algo.token_rows({"y": clean}, rows, torch.ones(len(prompts), dtype=torch.bool), it, sids, it)
+        batch = algo.token_rows({"y": clean, "probe": probe}, rows, torch.ones(len(prompts), dtype=torch.bool), it,
+                                sids, it)
         batch = batch.to(clean.device)
         rows_trained = len(batch)
     sums = _backward(run, batch, cond, a, it)
@@ -219,14 +221,16 @@ def _record(spans: SpanLog, it: int, samples: int, phases: list[tuple[str, float
 
 
 def _integrate(model: GeneratorModel, x: torch.Tensor, cond: dict[str, torch.Tensor], sigmas: torch.Tensor,
-               solver: str) -> torch.Tensor:
-    """A forward-process rollout: the deterministic ODE from ``x`` to the clean latents."""
-    prev = None
+               solver: str, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A forward-process rollout: the deterministic ODE from ``x`` to the clean latents, and the first step's
+    velocity probes (parity; ``rl.forward.velocity_probe``)."""
+    prev, probe = None, torch.zeros(0)
     grid = sigmas.float().to(x.device)
     for i in range(sigmas.shape[0] - 1):
         v = model.velocity(x, grid[i].expand(x.shape[0]), cond)
+        probe = velocity_probe(v, probe_direction(seed, v.shape[1:])) if i == 0 else probe
         x, prev = ode_step(solver, x, v, sigmas, i, prev)
-    return x
+    return x, probe
 
 
 def _backward(run: ColocatedRun, batch: Any, cond: dict[str, torch.Tensor], adv: torch.Tensor,

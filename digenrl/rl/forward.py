@@ -28,7 +28,7 @@ import torch
 
 from digenrl.rl.loss import LossTerms
 
-__all__ = ["ForwardRows", "NftLoss", "AwmLoss", "nft_prob", "nft_loss", "awm_log_prob", "awm_loss",
+__all__ = ["ForwardRows", "velocity_probe", "NftLoss", "AwmLoss", "nft_prob", "nft_loss", "awm_log_prob", "awm_loss",
            "old_policy_decay", "linear_decay", "awm_strata", "nft_levels"]
 
 _TINY = 1e-10  # AWM's offset inside the generalised Huber power
@@ -47,6 +47,9 @@ class ForwardRows:
         y: ``[R, ...]`` fp32 clean latents.
         eps: ``[R, ...]`` fp32 fresh noise.
         sigma: ``[R]`` fp32.
+        sample_id: ``[R]`` long (host), the sample's id in its logical batch (it seeds the sample's noise).
+        probe: ``[R]`` fp32, the rollout's :func:`velocity_probe` of the sample's first step (parity).
+        batch: the logical batch.
         policy_version: the version that sampled the rows.
     """
 
@@ -55,6 +58,9 @@ class ForwardRows:
     y: torch.Tensor
     eps: torch.Tensor
     sigma: torch.Tensor
+    sample_id: torch.Tensor
+    probe: torch.Tensor
+    batch: int = 0
     policy_version: int = 0
 
     def __len__(self) -> int:
@@ -67,11 +73,12 @@ class ForwardRows:
         return (1 - s) * self.y + s * self.eps
 
     def to(self, device: torch.device | str) -> ForwardRows:
-        return replace(self, y=self.y.to(device), eps=self.eps.to(device), sigma=self.sigma.to(device))
+        return replace(self, y=self.y.to(device), eps=self.eps.to(device), sigma=self.sigma.to(device),
+                       probe=self.probe.to(device))
 
     def rows(self, index: torch.Tensor | slice | list[int]) -> ForwardRows:
         return replace(self, sample=self.sample[index], step=self.step[index], y=self.y[index], eps=self.eps[index],
-                       sigma=self.sigma[index])
+                       sigma=self.sigma[index], sample_id=self.sample_id[index], probe=self.probe[index])
 
     @staticmethod
     def cat(parts: list[ForwardRows], sample_offsets: list[int] | None = None) -> ForwardRows:
@@ -82,13 +89,28 @@ class ForwardRows:
         """
         if not parts:
             raise ValueError("cannot concatenate zero row sets")
-        versions = {p.policy_version for p in parts}
+        versions = {(p.policy_version, p.batch) for p in parts}
         if len(versions) > 1:
-            raise ValueError(f"cannot mix policy versions {versions} in one batch")
+            raise ValueError(f"cannot mix policy versions or batches {versions} in one batch")
         offs = sample_offsets or [0] * len(parts)
+
+        def cat(name: str) -> torch.Tensor:
+            return torch.cat([getattr(p, name) for p in parts])
+
         return replace(parts[0], sample=torch.cat([p.sample + o for p, o in zip(parts, offs, strict=True)]),
-                       step=torch.cat([p.step for p in parts]), y=torch.cat([p.y for p in parts]),
-                       eps=torch.cat([p.eps for p in parts]), sigma=torch.cat([p.sigma for p in parts]))
+                       step=cat("step"), y=cat("y"), eps=cat("eps"), sigma=cat("sigma"), sample_id=cat("sample_id"),
+                       probe=cat("probe"))
+
+
+def velocity_probe(v: torch.Tensor, direction: torch.Tensor) -> torch.Tensor:
+    """``[B]``: each velocity projected on a fixed unit-variance direction, ``sum_d v u / sqrt(d)`` (fp32).
+
+    A forward-process rollout keeps no log-prob; this scalar of its first step's velocity is what the trainer
+    recomputes with the same weights to measure rollout/trainer parity (its difference reads in units of the
+    velocity's rms: ~1e-7 for equal numbers, ~lr for a version apart).
+    """
+    flat = v.float().flatten(1)
+    return (flat * direction.reshape(1, -1).to(flat.device)).sum(dim=1) / flat.shape[1] ** 0.5
 
 
 def _mean_d(t: torch.Tensor) -> torch.Tensor:

@@ -19,11 +19,12 @@ from typing import Any
 
 import torch
 
-__all__ = ["noise_seed", "initial_keys", "initial_latents", "transition_noise", "level_indices", "training_noise"]
+__all__ = ["noise_seed", "initial_keys", "initial_latents", "transition_noise", "level_indices", "training_noise",
+           "probe_direction"]
 
 _INITIAL = -1  # the "step" of the initial latent
 _LEVELS = -2  # ... of a forward-process sample's draw of training noise levels
-_TRAINING = -3  # ... and of its k-th level's fresh noise: -3 - k
+_TRAINING = -3  # ... and of its k-th level's fresh noise: -3 - k (batch -1: the run's probe direction)
 
 
 def noise_seed(seed: int, batch: int, key: int, step: int) -> int:
@@ -81,3 +82,9 @@ def level_indices(seed: int, batch: int, sample_id: int, num_steps: int, levels:
 def training_noise(seed: int, batch: int, sample_id: int, k: int, shape: Sequence[int]) -> torch.Tensor:
     """The fresh standard normal noise ``eps`` of a sample's ``k``-th training level (fp32, on the host)."""
     return torch.randn(tuple(shape), generator=_gen(seed, batch, sample_id, _TRAINING - k), dtype=torch.float32)
+
+
+def probe_direction(seed: int, shape: Sequence[int]) -> torch.Tensor:
+    """The run's fixed unit-variance direction in latent space (fp32, host) that forward-process parity projects
+    velocities on (:func:`digenrl.rl.forward.velocity_probe`)."""
+    return torch.randn(tuple(shape), generator=_gen(seed, -1, 0, _TRAINING), dtype=torch.float32)

@@ -28,7 +28,8 @@ from digenrl.models import GeneratorModel, cat_cond, cond_to, decode_in_chunks, 
 from digenrl.models.experts import has_experts, window_range
 from digenrl.models.lora import sampling
 from digenrl.policy import trained_steps
-from digenrl.rl.noise import initial_keys, initial_latents, transition_noise
+from digenrl.rl.forward import velocity_probe
+from digenrl.rl.noise import initial_keys, initial_latents, probe_direction, transition_noise
 from digenrl.rl.ode import ode_step
 from digenrl.rl.sde import sde_step
 from digenrl.rl.steps import plan_steps
@@ -197,12 +198,16 @@ class FragmentEngine:
         sigmas = self.sigmas.float().to(x.device)
         for i in range(start, stop):
             v = self.model.velocity(x, sigmas[i].expand(x.shape[0]), cond)
+            if i == 0:  # the first step's velocity probe, which the trainer recomputes (parity)
+                probes = velocity_probe(v, probe_direction(self.cfg.log.seed, v.shape[1:])).split(sizes)
+                for frag, p in zip(frags, probes, strict=True):
+                    frag.trans = [{"sample": torch.arange(frag.num_samples), "probe": p}]
             x, x0 = ode_step(solver, x, v, self.sigmas, i, x0)
         for frag, xs, x0s in zip(frags, x.split(sizes), x0.split(sizes), strict=True):
             frag.x, frag.x0, frag.step = xs.contiguous(), x0s.contiguous(), stop
             if stop == self.cfg.rollout.num_steps:
-                # The trainer's data: each sample's clean latent (ALGORITHMS-FORWARD: nothing of the trajectory).
-                frag.trans = [{"sample": torch.arange(frag.num_samples), "y": frag.x}]
+                # The trainer's data: each sample's clean latent and its probe (nothing of the trajectory).
+                frag.trans = [{**frag.transitions(), "y": frag.x}]
                 frag.x0 = None
 
     def _advance(self, frags: list[FragmentData], start: int, stop: int) -> None:

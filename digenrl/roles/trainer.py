@@ -42,7 +42,6 @@ from digenrl.policy import build_model, prepare_for_training
 from digenrl.rl.loss import Sums, host_sums
 from digenrl.rl.lr import set_lr
 from digenrl.rl.rollout import TransitionBatch
-from digenrl.rl.tsp import parity_recompute
 from digenrl.roles.fragments import FragmentData, FragmentEngine, probe_velocity
 from digenrl.roles.rollout import GenerationMixin, limit_threads, reward_builder
 from digenrl.roles.trainer_group import (TrainerGroup, all_reduce_buckets, gathered_state_dict, group_backend,
@@ -255,12 +254,12 @@ class TrainerActor(GenerationMixin, Actor):
             assert self.group is not None
             plan.mode, plan.rank, plan.world = "sliced", self.group.rank, self.group.world_size
         sums = self.algorithm.backward(batch, cond, adv, plan, version=self.version)
-        if not on_policy and self.cfg.train.check_parity and isinstance(batch, TransitionBatch):
+        if not on_policy and self.cfg.train.check_parity:
             parity = self._behaviour_parity(batch, cond)  # (under FSDP a forward: every member runs it)
             sums += [parity] if self._reports_rows else []
         return sums
 
-    def _behaviour_parity(self, batch: TransitionBatch, cond: dict[str, torch.Tensor]) -> Sums:
+    def _behaviour_parity(self, batch: Any, cond: dict[str, torch.Tensor]) -> Sums:
         """Parity of a stale pass: a sample of its rows under the weights that sampled them (version - 1)."""
         behaviour = self._behaviour if self._behaviour is not None else self._previous
         if batch.policy_version != self.version - 1 or behaviour is None:
@@ -268,7 +267,7 @@ class TrainerActor(GenerationMixin, Actor):
         current = trainable_state_dict(self.model)
         load_trainable_state_dict(self.model, behaviour)
         try:
-            return parity_recompute(self.model.velocity, batch, cond, PARITY_SAMPLE_ROWS)
+            return self.algorithm.parity_recompute(batch, cond, PARITY_SAMPLE_ROWS)
         finally:
             load_trainable_state_dict(self.model, current)  # bit for bit: gradients and optimizer untouched
 
@@ -299,8 +298,8 @@ class TrainerActor(GenerationMixin, Actor):
     def _optim_compute(self, total_rows: int, keep_previous: bool) -> float:
         # version - 1's sampling weights (DiffusionNFT: the old policy), for a stale checkpoint and parity
         self._previous = self.algorithm.sampling_state() if keep_previous else None
-        keep_behaviour = self.cfg.train.check_parity and self.staleness > 0 and self.algorithm.coupled
-        self._behaviour = (self._previous or trainable_state_dict(self.model)) if keep_behaviour else None
+        keep_behaviour = self.cfg.train.check_parity and self.staleness > 0
+        self._behaviour = (self._previous or self.algorithm.sampling_state()) if keep_behaviour else None
         try:
             return self._step(total_rows)
         finally:  # the algorithm's slow copies follow the weights of version + 1 (taken or not)

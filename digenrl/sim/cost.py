@@ -11,9 +11,11 @@ Per token (``F`` = one transformer pass of one sample, ``profiles.ModelProfile.f
 - ROLLOUT: samples x steps x cfg_rollout x F, plus the prompt encodings when the trajectory starts.
 - REWARD: samples x (VAE decode + reward model), both counted FLOPs; the reward model at its own
   utilisation (``mfu_reward``, fitted to veRL-Omni's sync vs async reward step times).
-- TRAIN: rows x cfg_train x ``TRAIN_PASSES`` x F; TSP-packed rows save ``tsp_train_saving``. A colocated
-  (HYBRID) trainer also recomputes the old log-probs (``old_logprob_passes`` forwards per row).
-  Trajectory tensors (x_i, x_{i+1}) come over the network on a dedicated trainer.
+- TRAIN: rows x cfg_train x (``TRAIN_PASSES`` + the algorithm's no-grad forwards per row) x F; TSP-packed rows
+  save ``tsp_train_saving``. A colocated (HYBRID) trainer also recomputes the old log-probs of rows that carry
+  them (``old_logprob_passes`` forwards per row). What crosses the boundary comes over the network on a
+  dedicated trainer: each row's latents (a transition's x_i, x_{i+1}) and each sample's (a clean latent)
+  with its conditioning (``profiles.RowCost``: numbers, never an algorithm's name).
 - OPTIM: AdamW's memory traffic over HBM, plus a ring all-reduce of the gradients over the trainer
   group (``schedule.cost.ring_allreduce_seconds``: ``2(n-1)/n`` of the gradient bytes over the
   slowest link, NVLink in a node and the NIC across, plus ``2(n-1)`` latencies per 64 MiB bucket;
@@ -144,7 +146,10 @@ class CostModel:
         self._k = {
             "roll": prof.cfg_rollout * prof.forward_flops, "text": prof.text_flops,
             "decode": prof.decode_flops, "reward": prof.reward_flops, "latent": prof.latent_bytes,
-            "train": prof.cfg_train * TRAIN_PASSES * prof.forward_flops,
+            "train": prof.cfg_train * prof.forward_flops,  # one pass of a row (x its passes, ``_row_passes``)
+            "row_bytes": prof.rows.row_latents * prof.latent_bytes + prof.rows.row_scalar_bytes,
+            "sample_bytes": (prof.rows.sample_latents * prof.latent_bytes + prof.rows.sample_scalar_bytes
+                             + prof.cond_bytes),
         }
         self._train_side = sum(1 for r in self.roles.values() if r in (Role.HYBRID, Role.TRAINER)) or 1
         # Devices fill nodes of GPUS_PER_NODE in the order given, one device type per node.
@@ -234,18 +239,26 @@ class CostModel:
                 seconds += size / self.link_bytes_per_s(source, device.name)
         return seconds
 
+    def row_passes(self, role: Role | None) -> float:
+        """Transformer passes of one trained row (per CFG pass) on a device of ``role``: forward + backward +
+        recompute (``TRAIN_PASSES``), the algorithm's no-grad forwards, and the old-log-prob recompute of a
+        trainer that pays it (rows that carry log-probs only)."""
+        p, rows = self.params, self.profile.rows
+        recompute = {Role.HYBRID: p.old_logprob_passes, Role.TRAINER: p.trainer_old_logprob_passes}.get(role, 0.0)
+        return TRAIN_PASSES + rows.nograd_forwards + (recompute if rows.logprob_rows else 0.0)
+
     def _train(self, token: Token, device: Device, spec: DeviceSpec) -> float:
         p = self.params
-        seconds = self._compute(token.transitions * self._k["train"], spec, p.mfu_train)
         role = self.roles.get(device.name)
-        recompute = {Role.HYBRID: p.old_logprob_passes, Role.TRAINER: p.trainer_old_logprob_passes}.get(role, 0.0)
-        seconds *= (TRAIN_PASSES + recompute) / TRAIN_PASSES  # the old-log-prob recompute
+        seconds = self._compute(token.transitions * self.row_passes(role) * self._k["train"], spec, p.mfu_train)
         if token.packed:
             seconds *= 1.0 - p.tsp_train_saving
-        if self.roles.get(device.name) is Role.TRAINER:
-            # x_i and x_{i+1} of every row cross the network from the rollout side (pessimistic: the
-            # rows of one sample share latents, and a same-node source would use NVLink).
-            seconds += token.transitions * 2 * self._k["latent"] / spec.net_bytes_per_s
+        if role is Role.TRAINER:
+            # what the rollout side ships crosses the network: each row's latents, each sample's latent and
+            # conditioning (pessimistic: a same-node source would use NVLink, and rows of a sample split over two
+            # tokens fetch the sample twice)
+            moved = token.transitions * self._k["row_bytes"] + token.num_samples * self._k["sample_bytes"]
+            seconds += moved / spec.net_bytes_per_s
         return seconds + p.pass_latency_s
 
     def _optim(self, token: Token, spec: DeviceSpec) -> float:
@@ -293,10 +306,11 @@ class CostModel:
 
     def batch_work(self, samples: int, prompts: int, num_steps: int, trained_rows: int, spec: DeviceSpec) -> tuple[float, float]:
         """Device-seconds of rollout (+reward) and of training for one logical batch on ``spec`` (training as
-        a dedicated trainer runs it: with ``trainer_old_logprob_passes`` when the modelled system recomputes)."""
+        a dedicated trainer runs it: with the algorithm's no-grad forwards, and ``trainer_old_logprob_passes`` when
+        the modelled system recomputes log-probs the rows carry)."""
         p, prof = self.params, self.profile
         roll = samples * num_steps * prof.cfg_rollout * prof.forward_flops + prompts * prof.text_flops
         roll += samples * prof.decode_flops
         reward = self._compute(samples * prof.reward_flops, spec, self._mfu_reward)
-        train = trained_rows * prof.cfg_train * (TRAIN_PASSES + p.trainer_old_logprob_passes) * prof.forward_flops
+        train = trained_rows * self.row_passes(Role.TRAINER) * self._k["train"]
         return self._compute(roll, spec, p.mfu_rollout) + reward, self._compute(train, spec, p.mfu_train)

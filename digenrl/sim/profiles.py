@@ -32,8 +32,9 @@ from digenrl.sim.flops import (EDIT_VAE_IMAGE_AREA, SPATIAL_FACTOR, SampleShape,
                                forward_flops, param_count, variant_config)
 from digenrl.sim.reward_models import OFF_DEVICE, PUBLISHED, reward_models
 
-__all__ = ["ModelProfile", "ModelSpec", "RewardSpec", "PROFILES", "ARCH_OF_MODEL", "profile", "model_profile", "vae_decode_flops",
-           "count_vae_decode_flops", "lora_params"]
+__all__ = ["ModelProfile", "ModelSpec", "RewardSpec", "RowCost", "TRAJECTORY_ROWS", "PROFILES", "ARCH_OF_MODEL", "profile",
+           "model_profile", "vae_decode_flops", "count_vae_decode_flops", "lora_params", "clean_sample_rows",
+           "conditioning_bytes", "sample_bytes"]
 
 BF16 = 2
 FP32 = 4
@@ -60,6 +61,80 @@ _LORA_TARGETS = {"qwen-image": "attn+mlp", "qwen-image-edit": "attn+mlp", "flux"
 _EXPERTS = {("wan2.2", "A14B"): 2}
 # Presets that build the published architecture (models/full.py): "random" with random weights, "full" meta only.
 _PUBLISHED_PRESETS = ("pretrained", "random", "full")
+# The prompt embeddings' width (the text encoder's hidden size the transformer projects) and the pooled
+# embedding's, as the transformer configs name them; models whose conditioning also carries an int64 token mask.
+_TEXT_DIM_KEYS = ("joint_attention_dim", "text_dim", "text_embed_dim")
+_MASKED = ("qwen-image", "qwen-image-edit", "hunyuan-video")
+INT64 = 8
+
+
+@dataclass(frozen=True, slots=True)
+class RowCost:
+    """What the training algorithm adds to a sample's cost, as numbers: the simulator and the schedules never
+    read an algorithm's name (the planner derives these from ``train.algorithm``, ``plan/rows.py``).
+
+    Attributes:
+        nograd_forwards: velocity forwards without gradient per trained row, each of the row's CFG passes, beside
+            its forward + backward: a KL term's reference, an old or EMA policy's velocity.
+        row_latents: fp32 latents per trained row that cross from the rollout to the trainer (a trajectory's
+            transition x_i, x_{i+1}: 2).
+        sample_latents: fp32 latents per sample that cross (a clean sample the trainer re-noises itself: 1).
+        row_scalar_bytes: bytes of each row's scalars (a transition's sample and step index in int64, its sigma,
+            next sigma, behaviour log-prob and noise level in fp32: 32).
+        sample_scalar_bytes: bytes per sample besides (its fp32 reward; a clean sample also its int64 index).
+        logprob_rows: the rows carry behaviour log-probs, which a trainer that recomputes them pays for
+            (``CostParams.old_logprob_passes``); a clean sample has none (an old policy's velocity is counted in
+            ``nograd_forwards``).
+    """
+
+    nograd_forwards: float = 0.0
+    row_latents: int = 2
+    sample_latents: int = 0
+    row_scalar_bytes: int = 2 * INT64 + 4 * FP32
+    sample_scalar_bytes: int = FP32
+    logprob_rows: bool = True
+
+    def describe(self) -> str:
+        """E.g. ``the clean latent a sample across the boundary, 2 no-grad forwards a row``."""
+        ship = (f"{self.row_latents} latents a trained row" if self.row_latents else
+                f"{self.sample_latents} latent a sample" if self.sample_latents else "no latents")
+        extra = f", {self.nograd_forwards:g} no-grad forward(s) a row" if self.nograd_forwards else ""
+        return f"{ship} across the boundary{extra}"
+
+
+# What the paper recipes ship (Flow-GRPO's trajectory transitions, no reference forward counted: the calibration
+# run trains without a KL term).
+TRAJECTORY_ROWS = RowCost()
+
+
+def clean_sample_rows(nograd_forwards: float) -> RowCost:
+    """A forward-process method's numbers: the clean latent once per sample, no log-probs, ``nograd_forwards``
+    per row (DiffusionNFT: the old policy's velocity, + the reference's with a KL term)."""
+    return RowCost(nograd_forwards, row_latents=0, sample_latents=1, row_scalar_bytes=0,
+                   sample_scalar_bytes=FP32 + INT64, logprob_rows=False)
+
+
+def sample_bytes(rows: RowCost, rows_per_sample: int, latent_bytes: int, cond_bytes: int) -> int:
+    """Bytes one sample moves from the rollout to the trainer: its trained rows' latents and scalars, its own
+    latents and scalars, its conditioning once."""
+    per_row = rows.row_latents * latent_bytes + rows.row_scalar_bytes
+    return rows_per_sample * per_row + rows.sample_latents * latent_bytes + rows.sample_scalar_bytes + cond_bytes
+
+
+def conditioning_bytes(config: dict[str, object], arch: str, text_tokens: int, passes: int, dtype_bytes: int = BF16,
+                       cond_tokens: int = 0) -> int:
+    """Bytes of one sample's conditioning as the rollout ships it (``models/*.py`` ``encode_prompts``): the prompt
+    embeddings ``[text_tokens, D]`` (and a pooled ``[P]``, an int64 mask where the model has one) in the model's
+    dtype, once per CFG pass (the negative prompt's travel with each sample), plus Qwen-Image-Edit's input-image
+    latents (``cond_tokens`` x the transformer's input channels).
+
+    ``config``: the transformer's config (``flops.variant_config`` or a built model's ``.config``).
+    """
+    width = next((int(config[k]) for k in _TEXT_DIM_KEYS if config.get(k)), 0)  # type: ignore[call-overload]
+    pooled = int(config.get("pooled_projection_dim") or 0)  # type: ignore[call-overload]
+    mask = text_tokens * INT64 if arch in _MASKED else 0
+    image = cond_tokens * int(config.get("in_channels") or 0) * dtype_bytes  # type: ignore[call-overload]
+    return passes * ((text_tokens * width + pooled) * dtype_bytes + mask) + image
 
 
 class ModelSpec(Protocol):
@@ -201,6 +276,7 @@ class ModelProfile:
         layers: every block stack cut to this many blocks (``model.layers``; 0 = the published depth).
         params: transformer parameters when they are not the published count (a cut model: the memory
             plan's count); 0 = ``param_count(arch, variant)``.
+        rows: what the training algorithm adds per row and ships per sample (:class:`RowCost`).
     """
 
     name: str
@@ -215,6 +291,7 @@ class ModelProfile:
     recipe: str = "the paper recipe"
     layers: int = 0
     params: int = 0
+    rows: RowCost = TRAJECTORY_ROWS
 
     @property
     def size(self) -> str:
@@ -259,6 +336,18 @@ class ModelProfile:
         s = self.shape
         return FP32 * 16 * s.latent_frames * s.latent_height * s.latent_width
 
+    @property
+    def cond_bytes(self) -> int:
+        """bf16 bytes of one sample's conditioning as the rollout ships it (:func:`conditioning_bytes`)."""
+        s = self.shape
+        return conditioning_bytes(variant_config(self.arch, self.variant, self.layers), self.arch, s.text_tokens,
+                                  self.cfg_rollout, BF16, s.cond_tokens)
+
+    def boundary_bytes(self, rows_per_sample: int, rows: RowCost | None = None) -> int:
+        """Bytes one sample moves from the rollout to the trainer: its trained rows' latents and scalars, its own
+        latents and scalars, its conditioning once (``rows``: another algorithm's numbers, default this profile's)."""
+        return sample_bytes(rows or self.rows, rows_per_sample, self.latent_bytes, self.cond_bytes)
+
     def describe(self) -> str:
         """E.g. ``Wan2.1-1.3B profile (33 frames at 480x832, 512 text tokens, 2 passes per step, LoRA 23.6 M
         params, 72.9 TFLOP per forward; from the config, ...)``."""
@@ -268,8 +357,9 @@ class ModelProfile:
         trained = "full fine-tune" if self.full_finetune else f"LoRA {self.trainable_params / 1e6:.1f} M params"
         if self.layers:
             frames = f"{self.layers} blocks per stack, {frames}"
+        rows = "" if self.rows == TRAJECTORY_ROWS else f", {self.rows.describe()}"
         return (f"{self.name} profile ({frames}, {s.text_tokens} text tokens, {self.cfg_rollout} "
-                f"pass{'es' if self.cfg_rollout > 1 else ''} per step, {trained}, {self.forward_flops / 1e12:.1f} "
+                f"pass{'es' if self.cfg_rollout > 1 else ''} per step, {trained}{rows}, {self.forward_flops / 1e12:.1f} "
                 f"TFLOP per forward; {self.recipe})")
 
 
@@ -356,7 +446,7 @@ def profile(name: str, variant: str = "") -> ModelProfile:
 
 def model_profile(m: ModelSpec, trainable_params: int | None = None,
                   transformer_params: int | None = None, reward: RewardSpec | None = None,
-                  input_images: int = 1) -> ModelProfile:
+                  input_images: int = 1, rows: RowCost = TRAJECTORY_ROWS) -> ModelProfile:
     """What one sample of a config costs (``m``: its ``[model]`` table): the model at ``model.variant`` (its
     block stacks cut to ``model.layers`` when set), its resolution, frames, text length, CFG passes and
     trainable set; text encoder as the model's paper recipe; reward models as ``reward`` (the config's
@@ -366,7 +456,8 @@ def model_profile(m: ModelSpec, trainable_params: int | None = None,
     as ``plan.fleet.config_profile`` passes them); defaults: the ``lora_params`` formula on the model's
     default targets (the whole transformer for ``full``) and the published transformer's count.
     ``input_images``: Qwen-Image-Edit(-Plus)'s input images a prompt (``Config.input_images``), each
-    adding its tokens to the sequence.
+    adding its tokens to the sequence. ``rows``: what the config's training algorithm adds per row and ships per
+    sample (``plan.rows.row_cost``); default: Flow-GRPO's transitions without a reference forward.
 
     Raises:
         ConfigError: a preset whose FLOPs are not the published architecture's (a tiny model: price it with
@@ -402,4 +493,4 @@ def model_profile(m: ModelSpec, trainable_params: int | None = None,
         reward_flops, terms = _reward_terms(reward)
         recipe = f"from the config, {terms}, text encoder as the {paper.name} paper recipe"
     return ModelProfile(f"{_FAMILY[arch]}-{variant}", arch, shape, passes, passes, trainable_params,
-                        paper.text_encoder_params, reward_flops, variant, recipe, layers, transformer_params or 0)
+                        paper.text_encoder_params, reward_flops, variant, recipe, layers, transformer_params or 0, rows)

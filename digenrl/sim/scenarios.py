@@ -12,6 +12,18 @@ Recipes (ALGORITHM.md (b); every figure is the per-optimizer-step batch, kept fi
   the 24 samples on 9 steps each; the workload carries that as 9 x 8/24 = 3 trained steps per sample
   (same training FLOPs, every sample's trajectory still generated and scored).
 
+Forward-process scenarios (``kind = "forward"``, ALGORITHMS-FORWARD.md §3): the rollout is a deterministic ODE
+sampler without CFG that ships each sample's clean latent, and a trained "step" is a noise level the trainer
+draws, each row a forward + backward plus the no-grad forwards of its loss (``profiles.RowCost``):
+
+- SD3.5-M DiffusionNFT (NVlabs/DiffusionNFT config/nft.py, the reference recipe): 48 prompts x G 24 per
+  optimizer step, 10 dpm2 steps at guidance 1.0, 9 noise levels, old policy + reference (KL 1e-4) forwards,
+  LoRA r32 on attention; on 8 H800 (the reference's 8 GPUs) and 16.
+- Qwen-Image DiffusionNFT (veRL-Omni examples/diffusionnft_trainer/qwen_image): 24 prompts x G 16, 10 steps at
+  true-CFG 1.0, all 10 levels (timestep_fraction 1.0), old policy + reference (ref_kl_coef 1e-4), LoRA r64.
+- The SD3.5-M recipe on 8 H800 trainers and 4 L40S that only sample (the cheap GPUs' share of an NFT batch is
+  small: its training is ~5x its rollout).
+
 Disaggregated split: for a homogeneous testbed the rollout/trainer split balances one batch's rollout
 device-seconds against its training device-seconds under the fixed cost model
 (``n_rollout = round(N * R / (R + T))``, at least one of each). The heterogeneous testbed splits by
@@ -24,7 +36,7 @@ on one device type: then every pool must be of that type (``MeasuredCost.check_f
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from digenrl.errors import ConfigError
 from digenrl.schedule.base import Device, Role, Workload
@@ -32,7 +44,7 @@ from digenrl.sim.calibration import calibrated_params
 from digenrl.sim.cost import CostModel, CostParams
 from digenrl.sim.devices import DeviceSpec, device_spec
 from digenrl.sim.measured import MeasuredCost
-from digenrl.sim.profiles import ModelProfile, profile
+from digenrl.sim.profiles import ModelProfile, RowCost, clean_sample_rows, profile
 
 __all__ = ["Scenario", "PlannedSplit", "SCENARIOS", "scenario", "placement", "measured_placement",
            "balanced_split"]
@@ -51,8 +63,13 @@ class Scenario:
         pools: ``(device type, count)`` per pool of the testbed.
         rollout_pool: for heterogeneous testbeds, the device type that generates in disaggregated
             schedules (the others train); ``""`` = choose the split by the cost model.
-        kind: ``paper``, ``hetero``, ``scaling`` or ``user``.
+        kind: ``paper``, ``hetero``, ``scaling``, ``forward`` or ``user``.
         variant: the model's size (``flops.VARIANTS``); ``""`` = the paper recipe's own (the largest).
+        passes: transformer passes per velocity when the recipe's CFG differs from the paper profile's (a
+            forward-process recipe samples and trains at guidance 1: 1); 0 = the profile's.
+        rows: what the recipe's algorithm adds per row and ships per sample (None: the profile's, Flow-GRPO's).
+        recipe: where the recipe comes from (the profile's ``recipe`` when it is changed).
+        config: the shipped config (``configs/<config>.toml``) the planner plans it with; ``""`` = the model's.
     """
 
     name: str
@@ -65,11 +82,19 @@ class Scenario:
     rollout_pool: str = ""
     kind: str = "paper"
     variant: str = ""
+    passes: int = 0
+    rows: RowCost | None = None
+    recipe: str = ""
+    config: str = ""
 
     @property
     def profile(self) -> ModelProfile:
-        """The model's paper recipe at this scenario's size."""
-        return profile(self.model, self.variant)
+        """The model's paper recipe at this scenario's size (with the scenario's CFG passes and rows)."""
+        prof = profile(self.model, self.variant)
+        if not self.passes and self.rows is None:
+            return prof
+        return replace(prof, cfg_rollout=self.passes or prof.cfg_rollout, cfg_train=self.passes or prof.cfg_train,
+                       rows=self.rows or prof.rows, recipe=self.recipe or prof.recipe)
 
     @property
     def num_devices(self) -> int:
@@ -132,11 +157,34 @@ def _scaling() -> list[Scenario]:
             for n in (8, 32, 128, 512, 1024)]
 
 
+_SD3_NFT = ("sd3_nft", "the DiffusionNFT SD3.5-M recipe (NVlabs/DiffusionNFT config/nft.py)")
+_QWEN_NFT = ("qwenimage_nft", "veRL-Omni's Qwen-Image DiffusionNFT recipe (examples/diffusionnft_trainer/qwen_image)")
+
+
+def _nft(name: str, model: str, batch: tuple[int, int, int, int], pools: tuple[tuple[str, int], ...],
+         source: tuple[str, str], rollout_pool: str = "") -> Scenario:
+    """A DiffusionNFT recipe: ``batch`` = (prompts, G, ODE steps, noise levels), sampled and trained without CFG, the
+    clean latent across the boundary, the old policy's and the reference's forwards per row (KL 1e-4)."""
+    config, recipe = source
+    return Scenario(name, model, *batch, pools, rollout_pool, "forward", passes=1, rows=clean_sample_rows(2),
+                    recipe=recipe, config=config)
+
+
+def _forward() -> list[Scenario]:
+    """The forward-process scenarios of the module docstring."""
+    sd3, qwen = (48, 24, 10, 9), (24, 16, 10, 10)
+    return [_nft("sd3-nft-8", "sd3", sd3, (("H800", 8),), _SD3_NFT),
+            _nft("sd3-nft-16", "sd3", sd3, (("H800", 16),), _SD3_NFT),
+            _nft("qwen-nft-16", "qwen-image", qwen, (("H800", 16),), _QWEN_NFT),
+            _nft("hetero-sd3-nft", "sd3", sd3, (("H800", 8), ("L40S", 4)), _SD3_NFT, rollout_pool="L40S")]
+
+
 SCENARIOS: dict[str, Scenario] = {
     s.name: s
     for s in [
         *_paper(),
         Scenario("hetero-flux", "flux", 32, 12, 16, 9, (("H800", 8), ("L40S", 16)), rollout_pool="L40S", kind="hetero"),
+        *_forward(),
         *_scaling(),
     ]
 }
