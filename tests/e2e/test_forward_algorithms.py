@@ -62,7 +62,7 @@ async def test_every_schedule_trains_every_row_of_every_sample(algorithm: str, s
 
 
 @pytest.mark.parametrize("algorithm", ["nft", "awm"])
-@pytest.mark.parametrize("schedule", ["disaggregated", "tag"])
+@pytest.mark.parametrize("schedule", ["disaggregated", pytest.param("tag", marks=pytest.mark.slow)])
 async def test_an_on_policy_actor_run_trains_what_the_colocated_loop_trains(algorithm: str, schedule: str) -> None:
     """Same samples (seeded per sample), same rows (levels and noise seeded per sample), same old policy: the
     actors' metrics equal the colocated loop's up to the order of float sums."""
@@ -108,6 +108,7 @@ async def test_a_resume_without_the_old_policy_file_names_it(tmp_path: Path) -> 
         await _run(_cfg("nft", "colocated", **ckpt), tmp_path, resume=tmp_path)
 
 
+@pytest.mark.slow  # (the lane is the Flow-GRPO one, tested in test_disaggregated; here: it carries the old policy)
 async def test_weights_over_the_gloo_lane_equal_zmq() -> None:
     """The trainer publishes the old policy over either lane; the samples (and so every metric) agree."""
     procs = {"actors": "zmq"}  # the gloo lane joins actor processes
