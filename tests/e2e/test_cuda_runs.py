@@ -185,3 +185,26 @@ async def test_a_checkpoint_resumes_on_another_device(tmp_path: Path, monkeypatc
     assert before_step.keys() == stepped.keys() == weights.keys()
     assert all(before_step[k].dtype == weights[k].dtype and torch.equal(before_step[k], weights[k]) for k in weights)
     assert any(not torch.equal(stepped[k], weights[k]) for k in weights), "the resumed step changed nothing"
+
+
+@pytest.mark.parametrize(("device", "algorithm", "schedule"), [
+    pytest.param("cpu", "nft", "async1", id="cpu-nft-async1"),  # the CPU twin
+    *[pytest.param("cuda", a, s, marks=gpu_marks(), id=f"cuda-{a}-{s}")
+      for a in ("nft", "awm") for s in ("colocated", "async1")],
+])
+async def test_forward_process_algorithms_on_the_main_job(device: str, algorithm: str, schedule: str) -> None:
+    """DiffusionNFT and AWM on the main job (bf16 on CUDA): every row trained, a finite gradient, parity (the
+    trainer's recompute of the rollout's first-step velocity probe) within bf16's reach. Never run on a GPU yet."""
+    small = ("rollout.prompts_per_batch=8", "schedule.fragment_groups=4", "schedule.train_pack=32") if device == "cpu" else ()
+    cfg = _main_job(device, f"schedule.name={schedule}", f"train.algorithm={algorithm}", "placement.threads=1", *small)
+    history = train(cfg, write_files=False) if schedule == "colocated" else await arun_disaggregated(cfg, write_files=False)
+    assert [m["step"] for m in history] == [0, 1, 2]
+    ro = cfg.rollout
+    for m in history:
+        assert m["rows_trained"] == m["rows_kept"] == ro.prompts_per_batch * ro.group_size * trained_steps(cfg), m
+        assert math.isfinite(m["grad_norm"]) and m["grad_norm"] > 0, m
+        assert math.isfinite(m["policy_loss"]), m
+        if m["parity_rows"]:  # bf16 samples unmerged LoRA as the trainer computes: equal kernels, other batch sizes
+            assert m["parity_logp_diff_max"] < (1e-4 if device == "cpu" else 5e-2), m
+    assert history[0]["parity_rows"] > 0
+    assert len({m["reward_mean"] for m in history}) > 1
