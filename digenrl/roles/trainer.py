@@ -545,24 +545,21 @@ class TrainerActor(GenerationMixin, Actor):
         return self._digest()
 
     def _load_extra(self, d: Path) -> None:
-        """Restore the algorithm's slow copies from checkpoint ``d`` (a missing file: that copy stays as it is).
+        """Restore the algorithm's slow copies (DiffusionNFT's old policy) from checkpoint ``d``.
 
         Raises:
-            ConfigError: such a file that cannot be read or does not match the trainable weights.
+            ConfigError: such a file missing, unreadable, or not matching the trainable weights.
         """
         from safetensors.torch import load_file
 
         out = {}
         for stem in self.algorithm.extra_state():
             path = d / f"{stem}.safetensors"
-            if not path.is_file():
-                log.warning("%s: no %s in the checkpoint; the %s copy restarts from the trained weights", self.name,
-                            path.name, stem)
-                continue
             try:
                 out[stem] = load_file(str(path))
-            except Exception as exc:  # safetensors raises its own error types for a truncated or garbled file
-                raise ConfigError(f"{path}: not a readable safetensors file ({exc})") from exc
+            except Exception as exc:  # a missing file (FileNotFoundError) or safetensors' own error types
+                raise ConfigError(f"{path}: {self.cfg.train.algorithm} resumes its {stem} policy from this file, "
+                                  f"which cannot be read ({exc})") from exc
         try:
             self.algorithm.load_extra_state(out)
         except ValueError as exc:

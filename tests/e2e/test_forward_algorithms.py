@@ -100,12 +100,13 @@ async def test_resume_continues_exactly_like_an_uninterrupted_run(tmp_path: Path
     assert whole[2]["algorithm/old_deviate"] > 0
 
 
-async def test_a_resume_without_the_old_policy_file_names_it(tmp_path: Path) -> None:
+@pytest.mark.parametrize("schedule", ["colocated", "disaggregated"])
+async def test_a_resume_without_the_old_policy_file_names_it(tmp_path: Path, schedule: str) -> None:
     ckpt = {"log": {"image_every": 0, "checkpoint_every": 1, "live": False}}
-    await _run(_cfg("nft", "colocated", train={"iterations": 1}, **ckpt), tmp_path)
+    await _run(_cfg("nft", schedule, train={"iterations": 1}, **ckpt), tmp_path)
     (find_checkpoint(tmp_path) / "old.safetensors").unlink()
     with pytest.raises(Exception, match=r"old.safetensors: nft resumes its old policy from this file"):
-        await _run(_cfg("nft", "colocated", **ckpt), tmp_path, resume=tmp_path)
+        await _run(_cfg("nft", schedule, **ckpt), tmp_path, resume=tmp_path)
 
 
 @pytest.mark.slow  # (the lane is the Flow-GRPO one, tested in test_disaggregated; here: it carries the old policy)
