@@ -16,11 +16,13 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from digenrl.config import Config
+from digenrl.errors import ConfigError
 from digenrl.models.lora import trainable_state_dict
 from digenrl.rl.loss import Sums
 
@@ -73,9 +75,9 @@ class Algorithm:
         """Within the block this process's model has the weights rollouts sample with (default: the trained ones)."""
         yield
 
-    def sampling_state(self) -> dict[str, torch.Tensor]:
-        """Those weights' tensors (what the trainer publishes), copied."""
-        return trainable_state_dict(self.model)
+    def sampling_state(self, copy: bool = True) -> dict[str, torch.Tensor]:
+        """Those weights' tensors (what the trainer publishes); ``copy=False``: views where they are live tensors."""
+        return trainable_state_dict(self.model, copy_tensors=copy)
 
     # -- training ---------------------------------------------------------------------------------
     def token_rows(self, trans: dict[str, torch.Tensor], rows: tuple[int, int], keep: torch.Tensor, batch: int,
@@ -118,4 +120,25 @@ class Algorithm:
         return {}
 
     def load_extra_state(self, states: dict[str, dict[str, torch.Tensor]]) -> None:
-        """Restore :meth:`extra_state` (a checkpoint without them resumes with copies of the trained weights)."""
+        """Restore :meth:`extra_state` (``ValueError`` when their tensors do not match the trained ones)."""
+
+    def load_extra_files(self, directory: Path) -> None:
+        """Restore :meth:`extra_state` from a checkpoint directory (``<stem>.safetensors`` each).
+
+        Raises:
+            ConfigError: such a file missing, unreadable, or not matching the trainable weights (naming it).
+        """
+        from safetensors.torch import load_file
+
+        states = {}
+        for stem in self.extra_state():
+            path = directory / f"{stem}.safetensors"
+            try:
+                states[stem] = load_file(str(path))
+            except Exception as exc:  # a missing file (FileNotFoundError) or safetensors' own error types
+                raise ConfigError(f"{path}: {self.name} resumes its {stem} policy from this file, which cannot be "
+                                  f"read ({exc})") from exc
+        try:
+            self.load_extra_state(states)
+        except ValueError as exc:
+            raise ConfigError(f"{directory}: {exc}") from exc

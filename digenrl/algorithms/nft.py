@@ -46,10 +46,10 @@ class Nft(ForwardProcess):
         with self.copy.active():
             yield
 
-    def sampling_state(self) -> dict[str, torch.Tensor]:
+    def sampling_state(self, copy: bool = True) -> dict[str, torch.Tensor]:
         if self.copy is None:
-            return super().sampling_state()
-        return {k: v.clone() for k, v in self.copy.state.items()}
+            return super().sampling_state(copy)
+        return {k: v.clone() if copy else v for k, v in self.copy.state.items()}
 
     def rows_backward(self, velocity: Any, batch: ForwardRows, cond: dict[str, torch.Tensor], advantages: torch.Tensor,
                       cfg: Any, *, normalizer: float, ref_velocity: Any, parity: bool, on_policy: bool) -> Sums:

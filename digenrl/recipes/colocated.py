@@ -32,7 +32,6 @@ import torch
 
 from digenrl.algorithms import Algorithm, Backward, algorithm_for
 from digenrl.config import Config
-from digenrl.errors import ConfigError
 from digenrl.data.images import reward_inputs
 from digenrl.data.prompts import batch_prompts, load_prompts
 from digenrl.models import GeneratorModel, decode_in_chunks, repeat_cond
@@ -361,10 +360,7 @@ def _resume(run: ColocatedRun, path: str | Path) -> tuple[int, list[dict[str, An
     load_trainable(run.model, ckpt / "trainable.safetensors")
     # A local file this program wrote (never network data), read to the host: a GPU checkpoint resumes anywhere.
     run.optimizer.load_state_dict(torch.load(ckpt / "optimizer.pt", weights_only=True, map_location="cpu"))
-    try:
-        run.algorithm.load_extra_state(_extra_files(run, ckpt))
-    except ValueError as exc:  # the copy's tensors do not match this model's
-        raise ConfigError(f"{ckpt}: {exc}") from exc
+    run.algorithm.load_extra_files(ckpt)  # DiffusionNFT's old policy, AWM's EMA policy
     version = state["version"]
     log.info("resuming from %s at version %d", ckpt, version)
     return version, list(state.get("history", []))[:version]
@@ -391,25 +387,6 @@ def _write_trainer(run: ColocatedRun, directory: Path) -> None:
     torch.save(run.optimizer.state_dict(), directory / "optimizer.pt")
     for stem, sd in run.algorithm.extra_state().items():  # DiffusionNFT's old policy, AWM's EMA policy
         save_file({k: v.contiguous() for k, v in sd.items()}, str(directory / f"{stem}.safetensors"))
-
-
-def _extra_files(run: ColocatedRun, ckpt: Path) -> dict[str, dict[str, torch.Tensor]]:
-    """The algorithm's slow copies a checkpoint holds (the actors' format: ``<stem>.safetensors``).
-
-    Raises:
-        ConfigError: such a file is missing, unreadable or does not match the trainable weights.
-    """
-    from safetensors.torch import load_file
-
-    out = {}
-    for stem in run.algorithm.extra_state():
-        path = ckpt / f"{stem}.safetensors"
-        try:
-            out[stem] = load_file(str(path))
-        except Exception as exc:  # a missing file (FileNotFoundError) or safetensors' own error types
-            raise ConfigError(f"{path}: {run.cfg.train.algorithm} resumes its {stem} policy from this file, which "
-                              f"cannot be read ({exc})") from exc
-    return out
 
 
 def _write_timeline(run: ColocatedRun, out: Path, base: int) -> None:

@@ -300,10 +300,9 @@ class TrainerActor(GenerationMixin, Actor):
         self._previous = self.algorithm.sampling_state() if keep_previous else None
         keep_behaviour = self.cfg.train.check_parity and self.staleness > 0
         self._behaviour = (self._previous or self.algorithm.sampling_state()) if keep_behaviour else None
-        try:
-            return self._step(total_rows)
-        finally:  # the algorithm's slow copies follow the weights of version + 1 (taken or not)
-            self._step_terms = self.algorithm.after_step(self.version + 1)
+        grad_norm = self._step(total_rows)
+        self._step_terms = self.algorithm.after_step(self.version + 1)  # the slow copies follow version + 1
+        return grad_norm
 
     def _step(self, total_rows: int) -> float:
         if total_rows == 0:  # every group had identical rewards: nothing to learn from (as colocated)
@@ -340,7 +339,8 @@ class TrainerActor(GenerationMixin, Actor):
             StalenessViolation: this trainer does not hold ``version``.
         """
         if version == self.version:
-            sd = self.algorithm.sampling_state()  # what rollouts sample with (DiffusionNFT: the old policy)
+            # what rollouts sample with (DiffusionNFT: the old policy); under FSDP views of the shards, gathered below
+            sd = self.algorithm.sampling_state(copy=self.shard != "fsdp")
         elif version == self.version - 1 and self._previous is not None:
             sd = self._previous
         else:
@@ -541,26 +541,5 @@ class TrainerActor(GenerationMixin, Actor):
             if previous.keys() != own.keys() or any(previous[k].shape != own[k].shape for k in own):
                 raise ConfigError(f"{d / PREVIOUS_WEIGHTS}: its tensors do not match this model's trainable weights")
             self._previous = previous
-        self._load_extra(d)
+        self.algorithm.load_extra_files(d)  # the algorithm's slow copies (DiffusionNFT's old policy)
         return self._digest()
-
-    def _load_extra(self, d: Path) -> None:
-        """Restore the algorithm's slow copies (DiffusionNFT's old policy) from checkpoint ``d``.
-
-        Raises:
-            ConfigError: such a file missing, unreadable, or not matching the trainable weights.
-        """
-        from safetensors.torch import load_file
-
-        out = {}
-        for stem in self.algorithm.extra_state():
-            path = d / f"{stem}.safetensors"
-            try:
-                out[stem] = load_file(str(path))
-            except Exception as exc:  # a missing file (FileNotFoundError) or safetensors' own error types
-                raise ConfigError(f"{path}: {self.cfg.train.algorithm} resumes its {stem} policy from this file, "
-                                  f"which cannot be read ({exc})") from exc
-        try:
-            self.algorithm.load_extra_state(out)
-        except ValueError as exc:
-            raise ConfigError(f"{d}: {exc}") from exc
