@@ -25,6 +25,7 @@ from digenrl.config import Config
 from digenrl.errors import ConfigError
 from digenrl.models.lora import trainable_state_dict
 from digenrl.rl.loss import Sums
+from digenrl.rl.tsp import packed_backward, per_step_backward, sliced_backward
 
 __all__ = ["Algorithm", "Backward"]
 
@@ -45,6 +46,18 @@ class Backward:
                  experts: Any = None, normalizer: float = 1.0) -> None:
         self.mode, self.rows_per_pass, self.rank, self.world = mode, rows_per_pass, rank, world
         self.experts, self.normalizer = experts, normalizer
+
+    def run(self, velocity: Any, batch: Any, cond: dict[str, torch.Tensor], adv: torch.Tensor, loss_cfg: Any,
+            **kw: Any) -> list[Sums]:
+        """The passes over ``batch`` by the TSP driver of :attr:`mode` (``kw``: the drivers' ``ref_velocity``,
+        ``parity``, ``backward``)."""
+        common = dict(normalizer=self.normalizer, experts=self.experts, **kw)
+        if self.mode == "sliced":
+            return sliced_backward(velocity, batch, cond, adv, loss_cfg, rank=self.rank, world=self.world,
+                                   rows_per_pass=self.rows_per_pass, **common)
+        if self.mode == "per_step":
+            return per_step_backward(velocity, batch, cond, adv, loss_cfg, **common)
+        return packed_backward(velocity, batch, cond, adv, loss_cfg, rows_per_pass=self.rows_per_pass, **common)
 
 
 class Algorithm:

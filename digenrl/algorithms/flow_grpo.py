@@ -14,7 +14,7 @@ from digenrl.algorithms.base import Algorithm, Backward
 from digenrl.models import reference
 from digenrl.rl.loss import LossConfig, Sums
 from digenrl.rl.rollout import TransitionBatch
-from digenrl.rl.tsp import packed_backward, parity_recompute, per_step_backward, sliced_backward
+from digenrl.rl.tsp import parity_recompute
 
 __all__ = ["FlowGrpo", "reference_velocity"]
 
@@ -50,14 +50,7 @@ class FlowGrpo(Algorithm):
                  version: int) -> list[Sums]:
         ref = reference_velocity(self.model) if self.loss_cfg.kl_beta > 0 else None
         on_policy = batch.policy_version == version  # then the training forward also measures parity
-        common = dict(normalizer=plan.normalizer, ref_velocity=ref, parity=on_policy, experts=plan.experts)
-        v = self.model.velocity
-        if plan.mode == "sliced":
-            return sliced_backward(v, batch, cond, adv, self.loss_cfg, rank=plan.rank, world=plan.world,
-                                   rows_per_pass=plan.rows_per_pass, **common)
-        if plan.mode == "per_step":
-            return per_step_backward(v, batch, cond, adv, self.loss_cfg, **common)
-        return packed_backward(v, batch, cond, adv, self.loss_cfg, rows_per_pass=plan.rows_per_pass, **common)
+        return plan.run(self.model.velocity, batch, cond, adv, self.loss_cfg, ref_velocity=ref, parity=on_policy)
 
     def parity_recompute(self, batch: TransitionBatch, cond: dict[str, torch.Tensor], max_rows: int) -> Sums:
         return parity_recompute(self.model.velocity, batch, cond, max_rows)

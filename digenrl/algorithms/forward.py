@@ -24,7 +24,6 @@ from digenrl.models import index_cond
 from digenrl.rl.forward import ForwardRows, velocity_probe
 from digenrl.rl.loss import Sums, parity_sums
 from digenrl.rl.noise import initial_latents, level_indices, probe_direction, training_noise
-from digenrl.rl.tsp import packed_backward, per_step_backward, sliced_backward
 
 __all__ = ["ForwardProcess"]
 
@@ -74,15 +73,8 @@ class ForwardProcess(Algorithm):
                  version: int) -> list[Sums]:
         ref = reference_velocity(self.model) if self.kl_beta > 0 else None
         run = functools.partial(self.rows_backward, on_policy=batch.policy_version == version)
-        common = dict(normalizer=plan.normalizer, ref_velocity=ref, parity=False, experts=plan.experts, backward=run)
-        v = self.model.velocity
-        if plan.mode == "sliced":
-            sums = sliced_backward(v, batch, cond, adv, self.loss_cfg, rank=plan.rank, world=plan.world,
-                                   rows_per_pass=plan.rows_per_pass, **common)
-        elif plan.mode == "per_step":
-            sums = per_step_backward(v, batch, cond, adv, self.loss_cfg, **common)
-        else:
-            sums = packed_backward(v, batch, cond, adv, self.loss_cfg, rows_per_pass=plan.rows_per_pass, **common)
+        sums = plan.run(self.model.velocity, batch, cond, adv, self.loss_cfg, ref_velocity=ref, parity=False,
+                        backward=run)
         if batch.policy_version == version:  # the weights that sampled the rows are at hand: parity (every rank)
             with self.sampling():
                 parity = self.parity_recompute(batch, cond, self.parity_samples)
