@@ -65,9 +65,9 @@ class ForwardProcess(Algorithm):
         step = torch.tensor([levels[i][k] for i, k in picked], dtype=torch.long)
         local = torch.tensor([i for i, _ in picked], dtype=torch.long)
         eps = torch.stack([training_noise(seed, batch, sample_ids[i], k, y.shape[1:]) for i, k in picked])
-        return ForwardRows(sample=local, step=step, y=y[local].float(), eps=eps, sigma=self.sigmas.float()[step],
-                           sample_id=torch.tensor(sample_ids, dtype=torch.long)[local], probe=trans["probe"][local].float(),
-                           batch=batch, policy_version=version)
+        return ForwardRows(sample=local, step=step, y=y[local].detach().float(), eps=eps,
+                           sigma=self.sigmas.float()[step], sample_id=torch.tensor(sample_ids, dtype=torch.long)[local],
+                           probe=trans["probe"][local].float(), batch=batch, policy_version=version)
 
     def backward(self, batch: ForwardRows, cond: dict[str, torch.Tensor], adv: torch.Tensor, plan: Backward, *,
                  version: int) -> list[Sums]:

@@ -219,6 +219,7 @@ def _record(spans: SpanLog, it: int, samples: int, phases: list[tuple[str, float
                   samples=samples if kind in ("rollout", "reward") else 0)
 
 
+@torch.no_grad()
 def _integrate(model: GeneratorModel, x: torch.Tensor, cond: dict[str, torch.Tensor], sigmas: torch.Tensor,
                solver: str, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     """A forward-process rollout: the deterministic ODE from ``x`` to the clean latents, and the first step's

@@ -215,3 +215,70 @@ def test_colocated_step_trains_on_its_device_with_advantages_from_the_host(famil
     adv = group_advantages(torch.tensor([0.2, 0.9, 0.4, 0.1]), groups)  # a reward's scores: on the host
     sums = colocated._backward(run, res.transitions, cond, adv.advantages)
     assert sums and _grads_on_meta(run.model)
+
+
+# -- the forward-process paths (train.algorithm = nft): the ODE rollout, rows drawn from clean samples -----------
+
+def _nft(family: Family) -> Family:
+    return Family({**family.conf, "train": {"algorithm": "nft", "check_parity": True}}, family.prompts)
+
+
+async def test_an_ode_fragment_continues_on_its_device_and_ships_its_clean_latent(family: Family) -> None:
+    nft = _nft(family)
+    host = await _actor(nft, RolloutActor, "rollout-0")
+    device_rollout = await _actor(nft, RolloutActor, "rollout-1")
+    try:
+        frag = host.engine.fresh(GEO, 0, nft.prompts)
+        host.engine.advance([frag], 0, 2)  # dpm2's state (the previous x0) travels with the latents
+        host.engine.fragments[frag.key] = frag
+        _to_meta(device_rollout.engine.model)
+        device_rollout.peers = {"rollout-0": host}
+        moved = await device_rollout._obtain(GEO, "rollout-0", 0, nft.prompts, 2)
+        device_rollout.engine.advance([moved], 2, STEPS)
+        rows = moved.transitions()
+        assert moved.step == STEPS and rows["y"].device.type == "meta" and rows["sample"].device.type == "cpu"
+        assert rows["probe"].device.type == "meta"  # recorded at step 0 on the host actor, placed with the fragment
+    finally:
+        await host.__cleanup__(None)
+        await device_rollout.__cleanup__(None)
+
+
+async def test_a_trainer_trains_forward_process_rows_from_the_host_on_its_device(family: Family) -> None:
+    """Rows drawn from clean samples that arrived on the host (their noise drawn there too), with the old policy's
+    and the trained forwards, the parity recompute, and the old policy following the step, all on the device."""
+    trainer = await _stored_trainer(_nft(family), version=0)
+    try:
+        _to_meta(trainer.model)
+        trainer.algorithm.copy.state = {k: v.to("meta") for k, v in trainer.algorithm.copy.state.items()}
+        k = trainer.algorithm.rows_per_sample
+        token = {"batch": GEO[0], "frags": [GEO[1:]], "rows": [[0, 4 * k]], "packed": True}
+        out = await trainer.train.call(token, [{"adv": [1.0, -1.0, 0.5, -0.5], "keep": [True] * 4, "store": "trainer-0"}])
+        assert out["rows"] == [[0, 0, 4 * k, 4 * k]]
+        assert _grads_on_meta(trainer.model)
+        parity = [s for s in out["sums"] if s.get("parity_rows")]
+        assert parity and parity[0]["parity_rows"] == 4  # every sample's first-step probe recomputed (on-policy)
+        await trainer.optim.call(0, 4 * k)
+        assert all(v.device.type == "meta" for v in trainer.algorithm.copy.state.values())
+    finally:
+        await trainer.__cleanup__(None)
+
+
+def test_a_colocated_forward_process_step_trains_on_its_device(family: Family) -> None:
+    nft = _nft(family)
+    cfg = config_from_dict({**nft.conf, "schedule": {"name": "colocated"}})
+    run = colocated.setup(cfg)
+    g = cfg.rollout.group_size
+    cond = repeat_cond(run.model.encode_prompts(nft.prompts[:2]), g)
+    _to_meta(run.model)
+    run.algorithm.copy.state = {k: v.to("meta") for k, v in run.algorithm.copy.state.items()}
+    cond = {k: v.to("meta") for k, v in cond.items()}
+    sids = list(range(2 * g))
+    x0 = initial_latents(run.model, 0, 0, sids).to("meta")
+    clean, probe = colocated._integrate(run.model, x0, cond, run.sigmas, "dpm2", 0)
+    assert clean.device.type == "meta" and probe.device.type == "meta"
+    k = run.algorithm.rows_per_sample
+    rows = run.algorithm.token_rows({"y": clean, "probe": probe}, (0, 4 * k), torch.ones(4, dtype=torch.bool), 0,
+                                    sids, 0).to("meta")
+    adv = group_advantages(torch.tensor([0.2, 0.9, 0.4, 0.1]), torch.arange(2).repeat_interleave(g))
+    sums = colocated._backward(run, rows, cond, adv.advantages)
+    assert sums and _grads_on_meta(run.model)
