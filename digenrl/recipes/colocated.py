@@ -1,10 +1,14 @@
-"""The single-process reference loop (the colocated path): every step of a Flow-GRPO iteration in order.
+"""The single-process reference loop (the colocated path): every step of an iteration in order.
 
-One iteration::
+One Flow-GRPO iteration::
 
     sample P prompts -> repeat each G times -> SDE rollout (store trained transitions, l_old)
     -> decode -> reward -> group advantages (drop zero-std groups)
     -> TSP-packed forward/backward over all trained transitions -> clip grad norm -> AdamW step
+
+A forward-process one (``train.algorithm = nft | awm``) runs the ODE instead (DiffusionNFT with its old
+policy), keeps only the clean latents, trains every sample's rows at the noise levels drawn for it, and after
+the step moves the algorithm's slow copy (``digenrl.algorithms``).
 
 It is a library call, ``train(config) -> history``, and ``digenrl run ... --set schedule.name=colocated``.
 It writes what an actor run writes: ``metrics.jsonl`` (one JSON object per iteration, the same schema),
@@ -43,7 +47,7 @@ from digenrl.rewards import build_reward
 from digenrl.rewards.base import GuardedReward
 from digenrl.rewards.failures import FailureBudget
 from digenrl.rl.advantages import reward_advantages
-from digenrl.rl.loss import LossConfig, Sums, reduce_stats
+from digenrl.rl.loss import Sums, reduce_stats
 from digenrl.rl.lr import set_lr
 from digenrl.rl.forward import velocity_probe
 from digenrl.rl.noise import initial_keys, initial_latents, probe_direction, transition_noise
@@ -80,7 +84,6 @@ class ColocatedRun:
     reward_budget: FailureBudget | None  # stops the run when penalties are no longer occasional
     prompts: list[str]
     sigmas: torch.Tensor
-    loss_cfg: LossConfig
     algorithm: Algorithm  # train.algorithm: rows, loss, slow copies and the weights sampling uses
     t0: float = 0.0  # time.perf_counter() at the start of the run
     last_end: float = 0.0  # ... at the end of the previous iteration
@@ -113,7 +116,6 @@ def setup(cfg: Config) -> ColocatedRun:
         reward_budget=FailureBudget.for_config(r),
         prompts=prompts,
         sigmas=model.sigmas(cfg.rollout.num_steps),
-        loss_cfg=LossConfig(clip_range=t.clip_range, kl_beta=t.kl_beta, kl_kind=t.kl),  # type: ignore[arg-type]
         algorithm=algorithm_for(cfg, model, trains=True),
         t0=time.perf_counter(), last_end=time.perf_counter(), spans=SpanLog(time.time()),
     )

@@ -44,7 +44,7 @@ class FragmentData:
     """One fragment's state on its holder. ``geo`` = ``[batch, index, p0, p1, m0, m1, group_size]``.
 
     ``trans``: what the trainer will need, recorded so far: Flow-GRPO's trained transitions, or (once
-    finished) a forward-process method's clean samples ``{"sample", "y"}``. ``x0``: a multistep ODE solver's
+    finished) a forward-process method's clean samples ``{"sample", "probe", "y"}`` (the probe: parity). ``x0``: a multistep ODE solver's
     state, the previous step's data prediction (``rl.ode``), which travels with the latents.
     """
 
