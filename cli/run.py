@@ -164,10 +164,32 @@ def validate(
 ) -> None:
     """Check a config as `digenrl run` does before it starts anything: keys, types and allowed values,
     then what run would refuse (digenrl.recipes.preflight): this host's device and weights, the bind
-    address, CURVE keys, Ray, model.init, reward.url, and the memory plan."""
-    cfg, _ = _load(config, set_)
+    address, CURVE keys, Ray, model.init, reward.url, and the memory plan. Every problem is listed; on a
+    host that cannot run the config (a login node without its GPUs) the checks only the host that runs it
+    can make are listed as left for that host (exit 0 when nothing else is wrong)."""
+    from digenrl.config import load_config
+    from digenrl.plan.memory import memory_plan, memory_problems
+    from digenrl.recipes.preflight import validation
+
+    try:
+        cfg = load_config(config, set_ or [])
+        found = validation(cfg)
+        found.problems += memory_problems(cfg, memory_plan(cfg))
+    except ConfigError as exc:  # the config itself: its keys, types and values
+        problems, found = getattr(exc, "problems", [str(exc)]), None
+    else:
+        problems = found.problems
+    for problem in problems:
+        typer.secho(f"config error: {problem}", fg=typer.colors.RED, err=True)
+    if problems:
+        raise typer.Exit(2)
+    assert found is not None
+    left = f"; left for the host that runs it: {len(found.left)} check(s)" if found.left else ""
     typer.echo(f"{config}: ok ({cfg.model.name}/{cfg.model.preset}, reward {dict(cfg.reward.weights)}, "
-               f"{cfg.train.iterations} iterations, schedule {cfg.schedule.name})")
+               f"{cfg.train.iterations} iterations, schedule {cfg.schedule.name}, train.algorithm "
+               f"{cfg.train.algorithm}){left}")
+    for item in found.left:
+        typer.echo(f"  left: {item}")
 
 
 def register(app: typer.Typer) -> None:

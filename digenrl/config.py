@@ -895,14 +895,26 @@ def config_from_dict(data: dict[str, Any]) -> Config:
     """Build and validate a :class:`Config` from nested tables.
 
     Raises:
-        ConfigError: an unknown table or key, a wrong type, or a disallowed value.
+        ConfigError: an unknown table or key, a wrong type, or a disallowed value (each table's first one,
+            all of them in its ``problems``).
     """
     tables = {f.name: f for f in dataclasses.fields(Config)}
     unknown = sorted(set(data) - set(tables))
     if unknown:
         raise ConfigError(f"[{unknown[0]}]: unknown table; allowed: {', '.join(tables)}")
     hints = typing.get_type_hints(Config)
-    return Config(**{name: _build(hints[name], data[name], name) for name in data})
+    built, problems = {}, []
+    for name in data:  # every table's first problem, not only the first table's
+        try:
+            built[name] = _build(hints[name], data[name], name)
+        except ConfigError as exc:
+            problems.append(str(exc))
+    if problems:
+        error = ConfigError(problems[0] if len(problems) == 1 else
+                            f"{len(problems)} problems: " + "; ".join(problems))
+        error.problems = problems  # type: ignore[attr-defined]  # digenrl validate lists them one a line
+        raise error
+    return Config(**built)
 
 
 def parse_override(item: str) -> tuple[list[str], Any]:

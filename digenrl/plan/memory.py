@@ -57,7 +57,7 @@ from digenrl.config import Config
 from digenrl.errors import ConfigError
 from digenrl.plan.rows import Boundary, boundary, kl_beta, latent_bytes, nograd_forwards, slow_copies
 
-__all__ = ["SharedGpu", "planned_vs_measured", "RESERVE_BYTES", "RoleMemory", "RewardModelMemory", "MemoryPlan", "memory_plan", "check_memory", "device_capacity"]
+__all__ = ["SharedGpu", "planned_vs_measured", "RESERVE_BYTES", "RoleMemory", "RewardModelMemory", "MemoryPlan", "memory_plan", "check_memory", "memory_problems", "device_capacity"]
 
 GB = 1e9
 RESERVE_BYTES = int(2 * GB)  # CUDA context (~0.5 GB) + caching-allocator fragmentation
@@ -776,22 +776,30 @@ def check_memory(cfg: Config, plan: MemoryPlan | None = None) -> MemoryPlan:
         ConfigError: naming the role, the bytes it needs and the key to change.
     """
     plan = plan or memory_plan(cfg)
+    problems = memory_problems(cfg, plan)
+    if problems:
+        raise ConfigError(problems[0])
+    return plan
+
+
+def memory_problems(cfg: Config, plan: MemoryPlan) -> list[str]:
+    """Every role of ``plan`` that does not fit its device, and every GPU its actors overfill, one line each."""
+    out = []
     for r in plan.roles.values():
         if not r.fits:
-            raise ConfigError(
+            out.append(
                 f"memory: the {r.role} role needs {r.bytes_per_device / GB:.1f} GB per device but a {r.device} "
                 f"has {(r.capacity - RESERVE_BYTES) / GB:.1f} GB usable (weights {r.weights / GB:.1f}, trainable "
                 f"{r.trainable / GB:.1f}, grads {r.grads / GB:.1f}, optimizer {r.optimizer / GB:.1f}, activations "
                 f"{r.activations / GB:.1f}, VAE {r.vae / GB:.1f}, text encoders {r.text_encoders / GB:.1f}, reward "
                 f"models {r.reward_models / GB:.1f}); "
                 f"{_advice(cfg, plan, r)} (see `digenrl plan`)")
-    for g in plan.shared:
-        if not g.fits:
-            each = ", ".join(f"{role} {plan.roles[role].bytes_per_device / GB:.1f}" for role in g.roles
-                             if role in plan.roles)
-            raise ConfigError(
-                f"memory: placement.actors_per_gpu = {cfg.placement.actors_per_gpu} puts {' + '.join(g.roles)} on "
-                f"one {g.device} (GPU {g.gpu}): {g.bytes / GB:.1f} GB ({each}) and {len(g.roles)} x "
-                f"{RESERVE_BYTES / GB:.1f} GB of CUDA context and slack, but it has {g.capacity / GB:.1f} GB; "
-                f"change placement.actors_per_gpu = 1 (a GPU each), or shrink the roles as `digenrl plan` says")
-    return plan
+    for g in [g for g in plan.shared if not g.fits][:1]:  # (every GPU of a placement alike: the first names it)
+        each = ", ".join(f"{role} {plan.roles[role].bytes_per_device / GB:.1f}" for role in g.roles
+                         if role in plan.roles)
+        out.append(
+            f"memory: placement.actors_per_gpu = {cfg.placement.actors_per_gpu} puts {' + '.join(g.roles)} on "
+            f"one {g.device} (GPU {g.gpu}): {g.bytes / GB:.1f} GB ({each}) and {len(g.roles)} x "
+            f"{RESERVE_BYTES / GB:.1f} GB of CUDA context and slack, but it has {g.capacity / GB:.1f} GB; "
+            f"change placement.actors_per_gpu = 1 (a GPU each), or shrink the roles as `digenrl plan` says")
+    return out

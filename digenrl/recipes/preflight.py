@@ -20,10 +20,18 @@ later, deeper, or inside an actor process as a remote traceback. In the run's or
 Not here: the memory plan (``digenrl.plan.memory.check_memory``, the CLI's second call: the planner
 sits above the recipes), and what needs the spawned processes (a free port, workers that join, the
 Ray cluster's resources), which the run checks as it starts them.
+
+``digenrl validate`` runs :func:`validation` instead: the same checks, every problem listed rather than the
+first, and on a host that cannot run the config (a login node without the CUDA device it names) the checks
+that only the host that runs it can make are left for that host and listed as such: its devices, the
+weights and reward files it reads (checked here where they are present), the address it binds and the
+served rewards it reaches. ``digenrl run`` still refuses on the host that runs it, as before.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from digenrl.config import Config, check_runnable
@@ -31,20 +39,23 @@ from digenrl.errors import ConfigError
 from digenrl.transport.curve import ClusterKeys, load_keys, require_keys
 from digenrl.transport.hosts import check_bind_address
 
-__all__ = ["preflight", "cluster_keys", "check_transport", "check_init", "check_reward"]
+__all__ = ["preflight", "validation", "Validation", "cluster_keys", "check_transport", "check_init", "check_reward"]
 
 
-def preflight(cfg: Config) -> None:
+def preflight(cfg: Config, collect: Callable[[Callable[[], None]], None] | None = None) -> None:
     """Refuse ``cfg`` now if the run would refuse it later (see the module docstring).
+
+    ``collect(check)``: runs each check instead (:func:`validation` lists every problem).
 
     Raises:
         ConfigError: the first problem, naming its config key.
     """
-    check_runnable(cfg)
+    run = collect or (lambda check: check())
+    run(lambda: check_runnable(cfg))
     if cfg.disaggregated:
-        check_transport(cfg)
-    check_init(cfg)
-    check_reward(cfg)
+        run(lambda: check_transport(cfg))
+    run(lambda: check_init(cfg))
+    run(lambda: check_reward(cfg))
 
 
 def cluster_keys(cfg: Config) -> ClusterKeys | None:
@@ -136,3 +147,84 @@ def check_reward(cfg: Config) -> None:
         except (RewardError, ValueError) as exc:
             raise ConfigError(f"reward.models.vlm_judge: {exc}") from None
 
+
+
+@dataclass
+class Validation:
+    """What :func:`validation` found.
+
+    Attributes:
+        problems: each refusal the run would make, in the run's order (every one, not the first).
+        left: the checks only the host that runs the config can make, with why (empty on that host).
+    """
+
+    problems: list[str] = field(default_factory=list)
+    left: list[str] = field(default_factory=list)
+
+
+def validation(cfg: Config) -> Validation:
+    """Every check of :func:`preflight` this host can make, each problem listed; the rest left for the run's host.
+
+    This host runs the config unless it names a CUDA device this host lacks (and Ray does not place it). Off
+    that host, the weights directory and the learned rewards' files are checked where they are present here.
+    """
+    import torch
+
+    from digenrl.rewards.registry import check_reward_files
+
+    out = Validation()
+
+    def attempt(check: Callable[[], None]) -> None:
+        try:
+            check()
+        except ConfigError as exc:
+            out.problems.append(str(exc))
+
+    def where_present(paths: list[str], key: str, check: Callable[[], None]) -> None:
+        missing = [p for p in paths if not Path(p).expanduser().exists()]
+        if missing:
+            out.left.append(f"{key}: {', '.join(missing)} is not on this host (the host that runs it reads it)")
+        else:
+            attempt(check)
+
+    placed = cfg.cluster.launcher == "ray"  # Ray places the actors on its GPU nodes: the driver may have none
+    if placed or not cfg.model.device.startswith("cuda") or torch.cuda.is_available():
+        preflight(cfg, collect=attempt)
+        return out
+    out.left.append(f"model.device = {cfg.model.device!r} on {cfg.placement.gpus} GPU(s): this host has no CUDA device")
+    if cfg.model.preset == "pretrained":
+        where_present([cfg.model.path], "model.path", lambda: check_runnable(_on_cpu(cfg)))
+    if cfg.disaggregated:
+        if cfg.transport.address.startswith("tcp://"):
+            out.left.append(f"transport.address = {cfg.transport.address!r}: an interface of the host that binds it")
+        if cfg.transport.keys:  # copied to the run's hosts (README: Security), not necessarily to this one
+            where_present([cfg.transport.keys], "transport.keys", lambda: _launcher_and_keys(cfg))
+        else:
+            attempt(lambda: _launcher_and_keys(cfg))
+    attempt(lambda: check_init(cfg))
+    r = cfg.reward
+    if r.device.startswith("cuda"):
+        out.left.append(f"reward.device = {r.device!r}: a CUDA device of the hosts that score")
+    paths = [str(v) for t in r.models.values() for k, v in t.items() if k.endswith("path") and isinstance(v, str) and v]
+    where_present(paths, "reward.models", lambda: check_reward_files(r.weights, r.models))
+    if "remote" in r.weights or "vlm_judge" in r.weights:
+        out.left.append("reward.url / reward.models.vlm_judge: the served reward, as the run's hosts reach it")
+    return out
+
+
+def _launcher_and_keys(cfg: Config) -> None:
+    """:func:`check_transport` but the bind address: Ray for its launcher, the keys where an address needs them."""
+    if cfg.cluster.launcher == "ray":
+        from digenrl.recipes.ray_launcher import check_ray
+
+        check_ray()
+    keys = cluster_keys(cfg)
+    if cfg.transport.actors == "zmq" and cfg.transport.address:
+        require_keys(cfg.transport.address, keys, "transport.address")
+
+
+def _on_cpu(cfg: Config) -> Config:
+    """``cfg`` with its model on the CPU: the checks of its weights directory alone."""
+    import dataclasses
+
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, device="cpu"))

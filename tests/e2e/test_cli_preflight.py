@@ -26,13 +26,38 @@ REAL_CONFIGS = ["configs/qwenimage.toml", "configs/flux.toml", "configs/wan21.to
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only message")
-@pytest.mark.parametrize("command", ["run", "validate"])
 @pytest.mark.parametrize("config", REAL_CONFIGS)
-def test_real_model_configs_fail_fast_without_gpu_pointing_to_tiny(config: str, command: str) -> None:
-    result = CliRunner().invoke(app, [command, config])
+def test_real_model_configs_fail_fast_without_gpu_pointing_to_tiny(config: str) -> None:
+    result = CliRunner().invoke(app, ["run", config])
     assert result.exit_code == 2
     assert "model.device" in result.output and "no CUDA device" in result.output
     assert "configs/tiny-qwenimage.toml" in result.output
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks a host without the config's GPUs")
+@pytest.mark.parametrize("config", [c if c in ("configs/sd3.toml", "configs/wan22.toml") else  # (each plans ~10 s)
+                                    pytest.param(c, marks=pytest.mark.slow) for c in REAL_CONFIGS])
+def test_validate_checks_a_gpu_config_off_its_host_and_says_what_it_left(config: str) -> None:
+    """A login node: keys, values, rewards and the memory plan checked; the device, weights, bind address and
+    served rewards left for the host that runs it, by name."""
+    result = CliRunner().invoke(app, ["validate", config])
+    assert result.exit_code == 0, result.output
+    assert "ok (" in result.output and "left for the host that runs it" in result.output
+    assert "left: model.device = 'cuda'" in result.output and "left: model.path" in result.output
+
+
+def test_validate_lists_every_problem_at_once() -> None:
+    result = CliRunner().invoke(app, ["validate", "configs/qwenimage.toml", "--set", "train.lr=-1", "--set",
+                                      "rollout.num_steps=1", "--set", "placement.rollout=2x"])
+    assert result.exit_code == 2
+    lines = [line for line in result.output.splitlines() if line.startswith("config error:")]
+    assert [line.split(":")[1].strip() for line in lines] == ["rollout.num_steps", "train.lr", "placement.rollout"]
+    memory = CliRunner().invoke(app, ["validate", "configs/sd3.toml", "--set", "train.rows_per_pass=256",
+                                      "--set", "placement.actors_per_gpu=2"])  # (off its host: planned all the same)
+    assert memory.exit_code == 2
+    assert [line.split(" role ")[0] for line in memory.output.splitlines() if "role needs" in line] == [
+        "config error: memory: the trainer"]
+    assert memory.output.count("placement.actors_per_gpu = 2 puts trainer + rollout on one H100") == 1
 
 
 @pytest.mark.parametrize("config", REAL_CONFIGS)
