@@ -60,6 +60,15 @@ def _table(report: dict[str, Any]) -> Any:
     return table
 
 
+def _per_sample(p: dict[str, Any]) -> str:
+    """One sample's cost on each side and the trainer:rollout ratio (the report's ``per_sample``)."""
+    ratio = f"{p['train_to_rollout']:.2f}" if p["train_to_rollout"] is not None else "-"
+    return (f"per sample ({p['algorithm']}): rollout {_seconds(p['rollout_s'])} ({p['num_steps']} steps) + decode and "
+            f"score {_seconds(p['reward_s'])}; training {_seconds(p['train_s'])} ({p['rows']} rows, each fwd + bwd + "
+            f"{p['nograd_forwards_per_row']:g} no-grad forward(s)): trainer:rollout {ratio} measured, "
+            f"{p['passes']['train_to_rollout']:.2f} in the simulator's transformer passes")
+
+
 def tokens(
     config: Annotated[Path, typer.Argument(help="A TOML config, e.g. configs/tiny-qwenimage.toml.")],
     set_: Annotated[list[str] | None, typer.Option("--set", help="Override a config value, e.g. "
@@ -100,6 +109,7 @@ def tokens(
         print_error(console, exc, "config error")
         raise typer.Exit(2) from exc
     console.print(_table(report))
+    console.print(escape(_per_sample(report["per_sample"])))
     cal = report["calibration"]
     for note in cal["fit_notes"]:
         console.print(escape(f"- {note}"))

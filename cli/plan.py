@@ -25,6 +25,7 @@ def format_plan(plan: MemoryPlan) -> str:
     rows = [("devices", lambda r: f"{r.devices} x {r.device}"),
             ("weights", lambda r: f"{r.weights / GB:.2f}"),
             ("reference", lambda r: f"{r.reference / GB:.2f}"),
+            ("slow copy", lambda r: f"{r.slow_copy / GB:.2f}"),
             ("trainable", lambda r: f"{r.trainable / GB:.2f}"),
             ("grads", lambda r: f"{r.grads / GB:.2f}"),
             ("optimizer", lambda r: f"{r.optimizer / GB:.2f}"),
@@ -48,6 +49,8 @@ def format_plan(plan: MemoryPlan) -> str:
     lines += [name.ljust(width) + "".join(fmt(r).rjust(12) for r in roles) for name, fmt in rows]
     lines[1] = f"device {', '.join(sorted({f'{r.device} {r.capacity / GB:.0f} GB' for r in roles}))}; 2 GB each kept for the CUDA context and allocator"
     lines.append(f"activations: {plan.activations}")
+    if plan.boundary is not None:
+        lines.append(plan.boundary.describe())
     lines += [f"{r.role}: {note}" for r in roles for note in r.notes]
     lines += [f"GPU {g.gpu} ({g.device}) shared by {' + '.join(g.roles)} (placement.actors_per_gpu): "
               f"{g.bytes / GB:.2f} GB + {len(g.roles)} x 2 GB context of {g.capacity / GB:.0f} GB, headroom "
@@ -124,15 +127,16 @@ def _fleet(config: Path, overrides: list[str], fleet: str, write: Path | None, t
     except ConfigError as exc:
         typer.secho(f"plan error: {exc}", fg=typer.colors.RED, err=True)
         raise typer.Exit(2) from exc
-    header = f"{'#':>2}  {'split':44s} {'tag_steps':>9} {'frag_groups':>11} {'rows/pass':>9} {'samples/s':>10} " \
-             f"{'bubble R':>8} {'bubble T':>8} {'stale':>5}  memory GB / device"
+    header = f"{'#':>2}  {'split':44s} {'tag_steps':>9} {'frag_groups':>11} {'train_pack':>10} {'rows/pass':>9} " \
+             f"{'samples/s':>10} {'bubble R':>8} {'bubble T':>8} {'stale':>5}  memory GB / device"
     lines = [f"{cfg.model.name} on {fleet}, schedule {cfg.schedule.name}: {result.simulations} simulations in "
              f"{time.perf_counter() - start:.1f} s", f"costs: {result.cost_source}", header]
     for i, c in enumerate(result.candidates, 1):
         mem = ", ".join(f"{role} {m['gb']:.0f}/{m['capacity_gb']:.0f} {m['device']}" for role, m in c.memory.items())
         split = c.split + (" (shipped)" if c.shipped else "")
-        lines.append(f"{i:>2}  {split:44s} {c.tag_steps:>9} {c.fragment_groups:>11} {c.rows_per_pass:>9} "
-                     f"{c.samples_per_s:>10.3f} {c.bubble_rollout:>8.1%} {c.bubble_trainer:>8.1%} {c.staleness:>5}  {mem}")
+        lines.append(f"{i:>2}  {split:44s} {c.tag_steps:>9} {c.fragment_groups:>11} {c.train_pack:>10} "
+                     f"{c.rows_per_pass:>9} {c.samples_per_s:>10.3f} {c.bubble_rollout:>8.1%} "
+                     f"{c.bubble_trainer:>8.1%} {c.staleness:>5}  {mem}")
         if len(c.bubble_by_pool) > 1:
             lines.append("    bubble per pool: " + ", ".join(f"{t} {b:.1%}" for t, b in c.bubble_by_pool.items()))
     lines += [f"unused: {u}" for u in result.unused] + [f"note: {n}" for n in result.notes]

@@ -31,7 +31,7 @@ ALLOWED: dict[str, set[str]] = {
     "roles": _CORE | {"config", "policy", "algorithms", "data", "models", "rewards", "rl", "schedule"},
     "recipes": _CORE | {"config", "policy", "algorithms", "roles", "data", "models", "rewards", "rl", "schedule", "sim"},
     "doctor": _CORE | {"config", "recipes", "models"},
-    "plan": {"config", "policy", "models", "schedule", "sim", "telemetry"},
+    "plan": {"config", "policy", "algorithms", "models", "schedule", "sim", "telemetry"},
 }
 
 

@@ -27,6 +27,15 @@ class Awm(ForwardProcess):
     level_mode = "strata"
     copy_name = "ema"
 
+    @classmethod
+    def kl_weight(cls, cfg: Any) -> float:
+        return float(cfg.awm.kl_beta)
+
+    @classmethod
+    def nograd_forwards(cls, cfg: Any, stale: bool) -> int:
+        # the reference's; the EMA policy's for its KL, or for a stale row's ratio
+        return int(cls.kl_weight(cfg) > 0) + int(cfg.awm.ema_beta > 0 or stale)
+
     def __init__(self, cfg: Any, model: Any, trains: bool = True) -> None:
         super().__init__(cfg, model, trains)
         a = cfg.awm

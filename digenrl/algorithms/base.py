@@ -77,6 +77,20 @@ class Algorithm:
         self.cfg, self.model, self.trains = cfg, model, trains
         self.sigmas = model.sigmas(cfg.rollout.num_steps)
 
+    # -- what the planner prices (class-level: from the config alone) ---------------------------
+    slow_copies = 0  # copies of the trained weights each trainer keeps beside them (an old / EMA policy)
+
+    @classmethod
+    def kl_weight(cls, cfg: Config) -> float:
+        """The weight of the KL to the reference (its forward runs, and full fine-tuning keeps a frozen copy, when > 0)."""
+        return 0.0
+
+    @classmethod
+    def nograd_forwards(cls, cfg: Config, stale: bool) -> int:
+        """Velocity forwards without gradient beside each trained row's forward and backward; ``stale``: the
+        schedule trains one-step-stale samples."""
+        return int(cls.kl_weight(cfg) > 0)
+
     @property
     def solver(self) -> str:
         """The rollout's ODE solver (``rollout.solver``) of an uncoupled algorithm."""

@@ -31,6 +31,10 @@ def reference_velocity(model: Any) -> Any:
 class FlowGrpo(Algorithm):
     name = "flow_grpo"
 
+    @classmethod
+    def kl_weight(cls, cfg: Any) -> float:
+        return float(cfg.train.kl_beta)
+
     def __init__(self, cfg: Any, model: Any, trains: bool = True) -> None:
         super().__init__(cfg, model, trains)
         t = cfg.train

@@ -36,6 +36,7 @@ class ForwardProcess(Algorithm):
     level_mode = "permutation"  # how a sample's levels are drawn (rl.noise.level_indices)
     copy_name = "old"  # the slow copy's checkpoint file stem
     kl_beta = 0.0  # weight of the KL to the reference (its forward runs only when > 0)
+    slow_copies = 1
 
     def __init__(self, cfg: Any, model: Any, trains: bool = True) -> None:
         super().__init__(cfg, model, trains)

@@ -29,6 +29,14 @@ class Nft(ForwardProcess):
     level_mode = "permutation"
     copy_name = "old"
 
+    @classmethod
+    def kl_weight(cls, cfg: Any) -> float:
+        return float(cfg.nft.kl_beta)
+
+    @classmethod
+    def nograd_forwards(cls, cfg: Any, stale: bool) -> int:
+        return 1 + int(cls.kl_weight(cfg) > 0)  # the old policy's velocity, always; the reference's
+
     def __init__(self, cfg: Any, model: Any, trains: bool = True) -> None:
         super().__init__(cfg, model, trains)
         n = cfg.nft

@@ -10,9 +10,15 @@ device type), and ranks them by predicted steady samples/s:
    generates, the fastest train). A split is "the first R devices generate". R is searched
    coarse-to-fine: an even grid of at most 9 values over the feasible range, then the step halves
    around the best until it is 1: about 9 + 2·log2(N/8) simulations for N devices.
+   A split whose rollout token (at the given sizes) does not fit the memory is tried with one prompt
+   per fragment before it is given up: fewer rollout devices mean larger default fragments, and the
+   best split may be one of them (wan-16: 2 rollout devices, whose default fragments of 4 prompts at
+   480x832x33 frames do not fit an H800).
 2. **Token sizes** for the best few splits: ``tag_steps`` (TAG helper granularity) and
    ``fragment_groups`` (prompts per fragment: rollout batch and streaming) on a small grid, each
-   candidate checked against the rollout memory it implies.
+   candidate checked against the rollout memory it implies; then ``train_pack`` (rows per TRAIN token)
+   for each split's best, the few sizes that leave the busiest trainer least above the mean
+   (``SplitSearch.tune_packs``).
 3. ``rows_per_pass``: the simulator's cost does not depend on it (a pass's launch latency is small
    next to its compute), so it is the largest the trainer's memory allows, capped at a training
    token's rows: fewer passes, no memory risk.
@@ -47,6 +53,7 @@ from digenrl.config import Config, load_config
 from digenrl.errors import ConfigError
 from digenrl.plan._split_search import Candidate, SplitSearch, placed_config, rank
 from digenrl.plan.memory import Traces, memory_plan, traces_for
+from digenrl.plan.rows import row_cost
 from digenrl.sim.measured import MeasuredCost
 from digenrl.sim.profiles import PROFILES, ModelProfile
 from digenrl.sim.scenarios import PlannedSplit, Scenario
@@ -82,19 +89,21 @@ class FleetPlan:
                 "unused": self.unused, "notes": self.notes, "split_best": [c.to_json() for c in self.split_best]}
 
 
-def _profile_json(prof: ModelProfile) -> dict[str, Any]:
+def _profile_json(prof: ModelProfile, rows_per_sample: int) -> dict[str, Any]:
     s = prof.shape
     return {"name": prof.name, "arch": prof.arch, "variant": prof.size, "layers": prof.layers, "recipe": prof.recipe,
             "latent": [s.latent_frames, s.latent_height, s.latent_width], "text_tokens": s.text_tokens,
             "passes_per_step": prof.cfg_rollout, "trainable_params": prof.trainable_params,
-            "forward_flops": prof.forward_flops, "reward_flops": prof.reward_flops}
+            "forward_flops": prof.forward_flops, "reward_flops": prof.reward_flops,
+            "rows_per_sample": rows_per_sample, "nograd_forwards_per_row": prof.rows.nograd_forwards,
+            "bytes_per_sample": prof.boundary_bytes(rows_per_sample)}
 
 
 def config_profile(cfg: Config, traces: Traces | None = None) -> ModelProfile:
     """The profile that prices ``cfg``'s tokens (``sim.profiles.model_profile`` of its ``[model]``: model,
     variant, ``layers``, resolution, frames, text length, CFG; and of its ``[reward]``: the weighted reward
     models' FLOPs), its transformer and trainable set as the memory plan counts them (the model and peft's
-    targets on the meta device).
+    targets on the meta device), and what its algorithm adds per row and ships per sample (``plan.rows``).
 
     Raises:
         ConfigError: a preset the profiles do not price (a tiny model), before anything is traced.
@@ -106,7 +115,7 @@ def config_profile(cfg: Config, traces: Traces | None = None) -> ModelProfile:
     trainer = plan.roles.get("trainer") or next(iter(plan.roles.values()))
     # (two experts, Wan2.2 A14B: a rollout engine holds both; plan.transformer_params is one expert's)
     return model_profile(cfg.model, trainer.trainable_params, plan.transformer_params + plan.expert_params, cfg.reward,
-                         input_images=cfg.input_images)
+                         input_images=cfg.input_images, rows=row_cost(cfg))
 
 
 def _measured_note(cfg: Config, measured: MeasuredCost) -> str:
@@ -199,7 +208,8 @@ def plan_fleet(cfg: Config, pools: tuple[Pool, ...], *, top: int = 5, batches: i
             if all(b.ident[:2] != c.ident[:2] for b in split_best):
                 split_best.append(c)
     return FleetPlan(shown, search.simulations, search.unused, notes, split_best,
-                     cost_source(fitted, measured, params), _profile_json(fitted) if measured is None else None)
+                     cost_source(fitted, measured, params),
+                     _profile_json(fitted, workload.trained_steps) if measured is None else None)
 
 
 def _pricing(cfg: Config, traces: Traces, measured: MeasuredCost | None,
@@ -254,13 +264,16 @@ def _keep_or_leave_shipped(unique: list[Candidate], shipped: Candidate, toleranc
 
 
 def scenario_config(sc: Scenario) -> Config:
-    """The shipped config of ``sc``'s model at the scenario's size (``model.variant``) with the scenario's batch
-    (prompts x G, steps, trained steps); its resolution stays the config's (what the memory plan checks)."""
-    return load_config(CONFIGS / f"{_CONFIG_OF_ARCH[sc.model]}.toml",
-                       [f'model.variant="{sc.profile.size}"',
-                        f"rollout.prompts_per_batch={sc.prompts}", f"rollout.group_size={sc.group_size}",
-                        f"rollout.num_steps={sc.num_steps}", 'rollout.steps="window"',
-                        f"rollout.window={sc.trained_steps}"])
+    """The shipped config of ``sc`` (``sc.config``, else its model's) at the scenario's size (``model.variant``) with
+    the scenario's batch (prompts x G, steps, trained steps: a Flow-GRPO window, a forward-process method's noise
+    levels); its resolution stays the config's (what the memory plan checks)."""
+    path = CONFIGS / f"{sc.config or _CONFIG_OF_ARCH[sc.model]}.toml"
+    cfg = load_config(path)
+    levels = {"flow_grpo": ['rollout.steps="window"', f"rollout.window={sc.trained_steps}"],
+              "nft": [f"nft.levels={sc.trained_steps}"], "awm": [f"awm.levels={sc.trained_steps}"]}
+    return load_config(path, [f'model.variant="{sc.profile.size}"', f"rollout.prompts_per_batch={sc.prompts}",
+                              f"rollout.group_size={sc.group_size}", f"rollout.num_steps={sc.num_steps}",
+                              *levels[cfg.train.algorithm]])
 
 
 def plan_scenario(sc: Scenario, pools: tuple[Pool, ...] | None = None, *, final_batches: int = 20,
@@ -278,8 +291,8 @@ def plan_scenario(sc: Scenario, pools: tuple[Pool, ...] | None = None, *, final_
     result = plan_fleet(cfg, pools or tuple(Pool(t, n) for t, n in sc.pools), final_batches=final_batches,
                         measured=measured, prof=sc.profile)
     best = result.best
-    options = {k: v for k, v in cfg.schedule_options.items() if k not in ("tag_steps", "fragment_groups")}
-    options.update(tag_steps=best.tag_steps, fragment_groups=best.fragment_groups)
+    options = {k: v for k, v in cfg.schedule_options.items() if k not in ("tag_steps", "fragment_groups", "train_pack")}
+    options.update(tag_steps=best.tag_steps, fragment_groups=best.fragment_groups, train_pack=best.train_pack)
     if cfg.schedule.staleness:
         options["staleness"] = cfg.schedule.staleness
     return PlannedSplit(cfg.schedule.name, tuple((t, n) for t, n in best.rollout.items() if n),
@@ -312,14 +325,16 @@ def write_config(source: Path, overrides: list[str], cand: Candidate, out: Path,
 
     data = apply_overrides(tomllib.loads(source.read_text()), overrides)
     cfg = load_config(source, overrides)
-    chosen = placed_config(cfg, cand.rollout, cand.trainer, cand.tag_steps, cand.fragment_groups, cand.rows_per_pass)
+    chosen = placed_config(cfg, cand.rollout, cand.trainer, cand.tag_steps, cand.fragment_groups, cand.rows_per_pass,
+                           cand.train_pack)
     place = data.setdefault("placement", {})
     place.update(rollout=chosen.placement.rollout, trainer=chosen.placement.trainer, gpu=chosen.placement.gpu)
     if chosen.placement.rollout_gpu:
         place["rollout_gpu"] = chosen.placement.rollout_gpu
     if cfg.placement.workers:
         place["workers"] = chosen.placement.workers
-    data.setdefault("schedule", {}).update(tag_steps=cand.tag_steps, fragment_groups=cand.fragment_groups)
+    data.setdefault("schedule", {}).update(tag_steps=cand.tag_steps, fragment_groups=cand.fragment_groups,
+                                           **({"train_pack": cand.train_pack} if cand.train_pack else {}))
     data.setdefault("train", {})["rows_per_pass"] = cand.rows_per_pass
     lines = [f"# written by `digenrl plan {source} --fleet ...`: {cand.split}, predicted "
              f"{cand.samples_per_s:.3f} samples/s (simulator), bubbles rollout {cand.bubble_rollout:.1%} / trainer "

@@ -126,6 +126,7 @@ class MemoryPlan:
     # what the activations scale with: bytes per training row and the row-independent part, per role
     train_row_bytes: int = 0
     train_activations: int = 0  # of one training pass (a role's activations may be its rollout peak instead)
+    train_peak: int = 0  # the trainer's pass with the loss's no-grad forwards (``_loss_passes``), >= train_activations
     rollout_forward: int = 0  # one no-grad forward of a rollout token's samples
     decode_sample: int = 0  # decoding one sample (rollout.decode_batch of them at once)
     decode_samples: int = 0  # samples decoded at once now
@@ -555,7 +556,8 @@ def memory_plan(cfg: Config, traces: Traces | None = None) -> MemoryPlan:
                       n_vae, rows, ACTIVATIONS_METHOD + _conditioning_note(traces), roles, shared=_shared_gpus(cfg, roles),
                       rewards=models,
                       train_row_bytes=(train_act - act.one_row) // (rows - 1) if rows > 1 else act.one_row,
-                      train_activations=train_act, rollout_forward=act.forward, decode_sample=decode_act,
+                      train_activations=train_act, train_peak=passes.peak, rollout_forward=act.forward,
+                      decode_sample=decode_act,
                       decode_samples=act.decode_samples,
                       expert_params=experts.second, expert_offload=experts.offload, boundary=crossing)
 
@@ -713,7 +715,7 @@ def _advice(cfg: Config, plan: MemoryPlan, r: RoleMemory) -> str:
         options = []
         if not tr.grad_checkpointing and r.activations > over:
             options.append("train.grad_checkpointing = true (recompute blocks in backward)")
-        if plan.rows_per_pass > 1 and r.activations <= plan.train_activations:
+        if plan.rows_per_pass > 1 and r.activations <= max(plan.train_activations, plan.train_peak):
             fixed = r.bytes_per_device - r.activations
             room = r.capacity - RESERVE_BYTES - fixed
             most = room // max(1, plan.train_row_bytes)

@@ -1,8 +1,9 @@
 """What a config's training algorithm adds to each trained row and ships per sample, as the numbers the simulator
-and the memory plan price: the one place of the planner that reads ``train.algorithm`` (DESIGN.md §10).
+and the memory plan price (DESIGN.md §10). The algorithm says them itself (``digenrl/algorithms``: ``coupled``,
+``kl_weight``, ``nograd_forwards``, ``slow_copies``); this module turns them into the simulator's terms.
 
 Per trained row (a transition of Flow-GRPO, a noise level of DiffusionNFT or AWM) the trainer runs the trained
-velocity's forward + backward, and beside it the no-grad forwards of the loss (``digenrl/algorithms``):
+velocity's forward + backward, and beside it the no-grad forwards of the loss:
 
 * ``flow_grpo``: the reference's velocity when ``train.kl_beta > 0``;
 * ``nft``: the old policy's, always, and the reference's when ``nft.kl_beta > 0``;
@@ -25,6 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
+from digenrl.algorithms import ALGORITHMS
 from digenrl.config import Config
 from digenrl.sim.profiles import ARCH_OF_MODEL, RowCost, clean_sample_rows, conditioning_bytes, sample_bytes
 
@@ -36,13 +38,13 @@ FP32 = 4
 
 def coupled(cfg: Config) -> bool:
     """The rollout ships SDE transitions (Flow-GRPO) rather than clean samples."""
-    return cfg.train.algorithm == "flow_grpo"
+    return ALGORITHMS[cfg.train.algorithm].coupled
 
 
 def kl_beta(cfg: Config) -> float:
     """The weight of the algorithm's KL to the reference (its forward runs, and full fine-tuning keeps a frozen
     reference copy, only when > 0)."""
-    return {"flow_grpo": cfg.train.kl_beta, "nft": cfg.nft.kl_beta, "awm": cfg.awm.kl_beta}[cfg.train.algorithm]
+    return ALGORITHMS[cfg.train.algorithm].kl_weight(cfg)
 
 
 def _stale(cfg: Config) -> bool:
@@ -53,17 +55,12 @@ def _stale(cfg: Config) -> bool:
 
 def nograd_forwards(cfg: Config) -> int:
     """Velocity forwards without gradient per trained row (module docstring), each of the row's CFG passes."""
-    reference = int(kl_beta(cfg) > 0)
-    if cfg.train.algorithm == "nft":
-        return 1 + reference  # the old policy's velocity defines the implicit positive / negative ones
-    if cfg.train.algorithm == "awm":
-        return reference + int(cfg.awm.ema_beta > 0 or _stale(cfg))
-    return reference
+    return ALGORITHMS[cfg.train.algorithm].nograd_forwards(cfg, _stale(cfg))
 
 
 def slow_copies(cfg: Config) -> int:
     """Copies of the trained weights that follow them slowly on each trainer: DiffusionNFT's old policy, AWM's EMA."""
-    return 0 if coupled(cfg) else 1
+    return ALGORITHMS[cfg.train.algorithm].slow_copies
 
 
 def row_cost(cfg: Config) -> RowCost:

@@ -3,25 +3,24 @@
 ``token_costs`` fits each sweep of a :class:`~digenrl.recipes.bench_tokens.TokenBench`'s rows with
 :func:`fit_line` into the ``MeasuredCost`` that ``digenrl plan --fleet --costs`` and ``MeasuredCost.from_report``
 read (costs version 3); an all-reduce the bench did not measure is the catalog's (:func:`catalog_allreduce`).
-``token_report`` is the JSON report: the model, the peak, the prediction's parameters, the rows and the
-``calibration`` (the costs file).
+``token_report`` is the JSON report: the model, the peak, the prediction's parameters, the rows, one sample's
+cost on each side (:func:`per_sample`) and the ``calibration`` (the costs file).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import asdict
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
 
+from digenrl.recipes._token_bench import Measurement, TokenBench
 from digenrl.sim.cost import TRAIN_PASSES
 from digenrl.sim.measured import AllReduce, MeasuredCost
 
-if TYPE_CHECKING:
-    from digenrl.recipes._token_measurements import Measurement
-    from digenrl.recipes.bench_tokens import TokenBench
+__all__ = ["SOURCE", "fit_line", "catalog_allreduce", "token_costs", "token_report", "per_sample"]
 
 SOURCE = "digenrl bench tokens"
 Line = tuple[float, float]  # seconds = a + b x
@@ -136,23 +135,46 @@ def token_costs(bench: TokenBench) -> tuple[MeasuredCost, str, dict[str, str]]:
     return MeasuredCost(fits, 0.0, allreduce, None, step[0], tuple(notes)), source, not_measured
 
 
+def per_sample(bench: TokenBench, fits: dict[str, Line]) -> dict[str, Any]:
+    """One sample's cost on each side, from the sweeps' per-unit terms (tokens' fixed overheads left out): the
+    rollout's ``num_steps`` sample-steps (+ decode and score), the trainer's rows, and their ratio, beside the
+    simulator's (DESIGN.md §10: ~0.3 for one trained step to ~4.5 for DiffusionNFT at 9 noise levels)."""
+    cfg = bench.cfg
+    steps, rows = cfg.rollout.num_steps, bench.rows_per_sample
+    rollout, reward, train = steps * fits["rollout"][1], fits["reward"][1], rows * fits["train"][1]
+    out: dict[str, Any] = {
+        "algorithm": cfg.train.algorithm, "num_steps": steps, "rows": rows,
+        "nograd_forwards_per_row": bench.nograd_forwards,
+        "rollout_s": rollout, "reward_s": reward, "train_s": train,
+        "train_to_rollout": train / rollout if rollout else None,
+        "train_to_rollout_and_reward": train / (rollout + reward) if rollout + reward else None,
+        # the simulator's count: transformer passes of one sample on each side
+        "passes": {"rollout": steps * bench.passes,
+                   "train": rows * bench.passes * (TRAIN_PASSES + bench.nograd_forwards)},
+    }
+    out["passes"]["train_to_rollout"] = out["passes"]["train"] / out["passes"]["rollout"]
+    return out
+
+
 def token_report(bench: TokenBench) -> dict[str, Any]:
     """The rows (``testbed``: the catalog device they price) and the costs file's ``calibration``."""
     from digenrl.sim.calibration import calibrated_params
 
     cost, source, not_measured = token_costs(bench)
+    sample = per_sample(bench, cost.fits)
     calibration = cost.to_calibration()
     calibration["allreduce"]["source"] = source
     calibration.update(source=SOURCE, not_measured=not_measured, device=bench.catalog,
                        sizes={"fragment_samples": bench.fragment, "rollout_batch": bench.sizes.rollout_batch,
                               "train_pack": bench.sizes.train_pack})
     m, params = bench.cfg.model, calibrated_params()
-    model = f"{m.name}-{m.preset}"
+    model, m_alg = f"{m.name}-{m.preset}", bench.cfg.train.algorithm
     return {
         "bench": "tokens", "train_passes": TRAIN_PASSES,
         "model": {"name": m.name, "preset": m.preset, "dtype": m.dtype, "device": m.device,
                   "threads": torch.get_num_threads() if bench.device.type == "cpu" else None,
-                  "cfg_passes": bench.passes, "shape": asdict(bench.shape), "pass_flops": bench.pass_flops,
+                  "algorithm": m_alg, "cfg_passes": bench.passes, "shape": asdict(bench.shape),
+                  "pass_flops": bench.pass_flops,
                   "decode_flops": bench.decode_flops, "trainable_params": bench.profile.trainable_params},
         "peak": {"flops_per_s": bench.peak, "source": bench.peak_source},
         "prediction": {"catalog_device": bench.catalog, "mfu_rollout": params.mfu_rollout,
@@ -160,5 +182,6 @@ def token_report(bench: TokenBench) -> dict[str, Any]:
                        "profile": "the config's model as built (transformer, resolution, CFG, trainable set) "
                                   "priced by sim/cost.py CostModel with the calibrated parameters"},
         "rows": [{**r.to_json(), "testbed": bench.catalog, "model": model} for r in bench.results],
+        "per_sample": sample,
         "calibration": calibration,
     }

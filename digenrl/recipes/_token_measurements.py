@@ -1,9 +1,10 @@
 """Each token's measurement of ``digenrl bench tokens`` (what is measured: ``bench_tokens.py``'s docstring).
 
-Every measurement runs the code a run runs for that token on a :class:`~digenrl.recipes.bench_tokens.TokenBench`
-(its model, engine, reward and trainable set), times it with the bench's harness (``timed``: the median after a
-warm-up, between device synchronisations) and keeps a :class:`Measurement` with the simulator's count of its
-FLOPs and its prediction beside it. :func:`token_steps` lists them in the order they run.
+Every measurement runs the code a run runs for that token on a :class:`~digenrl.recipes._token_bench.TokenBench`
+(its model, engine, algorithm, reward and trainable set), times it with the bench's harness (``timed``: the median
+after a warm-up, between device synchronisations) and keeps a
+:class:`~digenrl.recipes._token_bench.Measurement` with the simulator's count of its FLOPs and its prediction beside
+it. :func:`token_steps` lists them in the order they run.
 """
 
 from __future__ import annotations
@@ -13,47 +14,19 @@ import functools
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from digenrl.data.images import reward_inputs
+from digenrl.recipes._token_bench import Measurement, TokenBench
 from digenrl.schedule.base import Fragment, Token, TokenKind
 from digenrl.sim.cost import TRAIN_PASSES
 
-if TYPE_CHECKING:
-    from digenrl.recipes.bench_tokens import TokenBench
+__all__ = ["PARITY_ROWS", "Step", "token_steps"]
 
 PARITY_ROWS = 16  # = roles.trainer.PARITY_SAMPLE_ROWS: rows of a stale pass recomputed for parity
 Step = tuple[str, str, Callable[[], None]]  # (label, the sweep it belongs to, run it)
-
-
-@dataclass
-class Measurement:
-    """One measured token shape: ``size`` units (samples, rows or 1) and its median seconds."""
-
-    kind: str
-    size: int
-    unit: str
-    seconds: float
-    runs: int
-    flops: float | None = None  # the simulator's count (see flops_source)
-    flops_source: str = ""
-    flops_counted: float | None = None  # FlopCounterMode on the real call: what ran (LoRA, KL reference...)
-    predicted_s: float | None = None
-    note: str = ""
-    parts: dict[str, float] = field(default_factory=dict)
-    mfu: float | None = None
-
-    @property
-    def ratio(self) -> float | None:
-        """Measured over predicted seconds."""
-        return self.seconds / self.predicted_s if self.predicted_s else None
-
-    def to_json(self) -> dict[str, Any]:
-        out = {k: v for k, v in asdict(self).items() if k != "parts" or v}
-        return {**out, "per_unit_s": self.seconds / max(self.size, 1), "ratio": self.ratio}
 
 
 def token_steps(bench: TokenBench) -> list[Step]:
@@ -88,9 +61,10 @@ def _rollout_step(bench: TokenBench, b: int) -> None:
     seconds, runs = bench.timed(lambda frag: bench.engine.advance([frag], 0, 1), lambda: bench.fresh(b))
     bench.note_compile("the first rollout step")
     token = Token(0, TokenKind.ROLLOUT, "a", 0, num_samples=b, step_start=1, step_end=2)
+    step = "SDE step" if bench.algorithm.coupled else f"ODE step ({bench.cfg.rollout.solver})"
     bench.add(Measurement("rollout step", b, "samples", seconds, runs, b * bench.velocity_flops, bench.flops_source,
                           b * bench.velocity_flops_counted, bench.predict(token),
-                          f"velocity x {bench.passes} CFG pass(es) + SDE step"))
+                          f"velocity x {bench.passes} CFG pass(es) + {step}"))
 
 
 def _rollout_start(bench: TokenBench) -> None:
@@ -109,45 +83,11 @@ def _rollout_start(bench: TokenBench) -> None:
                           f"one fragment: {prompts} prompts encoded, initial noise"))
 
 
-def _transitions(bench: TokenBench, rows: int) -> tuple[Any, dict[str, torch.Tensor], torch.Tensor]:
-    """``rows`` transitions of step 0 sampled by the model (one SDE step), their conditioning and advantages."""
-    from digenrl.models.lora import sampling
-    from digenrl.rl.rollout import TransitionBatch
-    from digenrl.rl.sde import sde_step
-
-    ro, frag = bench.cfg.rollout, bench.fresh(rows)
-    sig = bench.engine.sigmas.float().to(frag.x.device)
-    s, sn = sig[0].expand(rows), sig[1].expand(rows)
-    level = torch.full((rows,), ro.noise_level, device=frag.x.device)
-    with sampling(bench.model), torch.no_grad():
-        v = bench.model.velocity(frag.x, s, frag.cond)
-        out = sde_step(frag.x, v, s, sn, level, kind=ro.sde)  # type: ignore[arg-type]
-    assert out.log_prob is not None  # every row is stochastic (noise_level > 0)
-    idx = torch.arange(rows)
-    batch = TransitionBatch(idx, torch.zeros_like(idx), frag.x, out.x_next, s.clone(), sn.clone(), out.log_prob,
-                            level, kind=ro.sde)  # type: ignore[arg-type]
-    return batch, frag.cond, torch.randn(rows, device=frag.x.device)
-
-
-def _reference(bench: TokenBench, x: torch.Tensor, sigma: torch.Tensor,
-               cond: dict[str, torch.Tensor]) -> torch.Tensor:
-    from digenrl.models.lora import reference
-
-    with reference(bench.model):
-        return bench.model.velocity(x, sigma, cond)
-
-
 def _train_pass(bench: TokenBench, r: int) -> None:
-    from digenrl.rl.loss import LossConfig
-    from digenrl.rl.tsp import packed_backward
+    batch, cond, adv = bench.train_rows(r)
 
-    t = bench.cfg.train
-    loss = LossConfig(clip_range=t.clip_range, kl_beta=t.kl_beta, kl_kind=t.kl)  # type: ignore[arg-type]
-    ref = functools.partial(_reference, bench) if t.kl_beta > 0 else None
-    batch, cond, adv = _transitions(bench, r)
-
-    def backward() -> None:  # the trainer's _backward of one token in one pass, on-policy
-        packed_backward(bench.model.velocity, batch, cond, adv, loss, normalizer=1.0, ref_velocity=ref)
+    def backward() -> None:  # the trainer's _backward of one token in one pass
+        bench.backward(batch, cond, adv)
 
     try:
         seconds, runs = bench.timed(lambda _: backward())
@@ -156,24 +96,28 @@ def _train_pass(bench: TokenBench, r: int) -> None:
     finally:
         for p in bench.params:
             p.grad = None
-    flops = r * TRAIN_PASSES * bench.velocity_flops
-    note = "fwd + bwd" + (" + KL reference fwd" if ref else "") + (" + recompute" if t.grad_checkpointing else "")
-    bench.add(Measurement("train pass", r, "rows", seconds, runs, flops,
-                          f"{bench.flops_source} x {TRAIN_PASSES:g} passes a row (sim/cost.py)", counted,
-                          bench.predict(Token(0, TokenKind.TRAIN, "a", 0, transitions=r, packed=bench.tsp)), note))
+    passes = TRAIN_PASSES + bench.nograd_forwards
+    samples = len(set(batch.sample.tolist()))
+    stale = " (a one-step-stale token)" if bench.stale else ""
+    note = (f"fwd + bwd + {bench.nograd_forwards:g} no-grad forward(s) a row{stale}"
+            + (" + recompute" if bench.cfg.train.grad_checkpointing else ""))
+    bench.add(Measurement("train pass", r, "rows", seconds, runs, r * passes * bench.velocity_flops,
+                          f"{bench.flops_source} x {passes:g} passes a row (sim/cost.py)", counted,
+                          bench.predict(Token(0, TokenKind.TRAIN, "a", 0, transitions=r, num_samples=samples,
+                                              packed=bench.tsp)), note))
 
 
 def _parity(bench: TokenBench) -> None:
     from digenrl.models.lora import load_trainable_state_dict, trainable_state_dict
-    from digenrl.rl.tsp import parity_recompute
 
-    batch, cond, _ = _transitions(bench, PARITY_ROWS)
+    # a trainer recomputes PARITY_ROWS of Flow-GRPO's rows, or the first step of PARITY_ROWS samples of clean ones
+    batch, cond, _ = bench.train_rows(PARITY_ROWS * (1 if bench.algorithm.coupled else bench.rows_per_sample))
     behaviour = trainable_state_dict(bench.model)
 
     def recompute(_: Any) -> None:  # the trainer's _behaviour_parity: swap in, recompute, swap back
         current = trainable_state_dict(bench.model)
         load_trainable_state_dict(bench.model, behaviour)
-        parity_recompute(bench.model.velocity, batch, cond, PARITY_ROWS)
+        bench.algorithm.parity_recompute(batch, cond, PARITY_ROWS)
         load_trainable_state_dict(bench.model, current)
 
     seconds, runs = bench.timed(recompute)

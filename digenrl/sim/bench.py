@@ -69,6 +69,9 @@ class BubbleReport:
                               "excluded); full = [0, wall]",
                     "bubble": "1 - (ROLLOUT+REWARD+TRAIN+OPTIM time) / window, per device; per role = mean",
                     "weight_sync_share": "PUBLISH device-seconds / (devices x window)",
+                    "bytes_per_sample": "what one sample moves from the rollout to the trainer: its trained rows' "
+                                        "latents and scalars, or its clean latent, and its conditioning "
+                                        "(profiles.RowCost)",
                     "speedup_bound": "colocated seconds per batch / (rollout + TSP-packed training device-seconds "
                                      "per batch / devices): what a bubble-free schedule could reach",
                     "colocated": "veRL-Omni's hybrid engine (the calibration run): switches and old-log-prob recompute",
@@ -120,7 +123,8 @@ def _row(sc: Scenario, res: Timeline, sim_s: float, planned: bool = False, sourc
     s, f = st.steady, st.full
     return {
         "scenario": sc.name, "model": sc.profile.name, "variant": sc.profile.size, "cost_source": source,
-        "devices": sc.num_devices, "testbed": sc.testbed,
+        "devices": sc.num_devices, "testbed": sc.testbed, "kind": sc.kind,
+        "bytes_per_sample": sc.profile.boundary_bytes(sc.trained_steps),
         "schedule": res.schedule, "system": PEERS[res.schedule].system if res.schedule in PEERS else "digenrl",
         "split": {"rollout": sum(d.role is Role.ROLLOUT for d in res.devices),
                   "trainer": sum(d.role is Role.TRAINER for d in res.devices),

@@ -9,7 +9,11 @@ comes only from what the peer does differently:
   log-probs (about 20 % of a step, ``docs/algo/rollout_correction.md``) and trains.
 - ``colocated-flowgrpo``: Flow-GRPO's own loop. Sampling and training share one diffusers pipeline
   and its weights (no engine switch) and the loss uses the log-probs stored at sampling (no
-  recompute). Same devices, same hybrid schedule.
+  recompute). Same devices, same hybrid schedule. On a forward-process scenario it is the
+  DiffusionNFT reference's and Flow-Factory's colocated loop (every GPU samples its share with the old
+  policy, then trains), and ``colocated`` veRL-Omni's DiffusionNFT on its hybrid engine: their rows
+  carry no log-probs, so neither recomputes any (``profiles.RowCost.logprob_rows``); both pay the
+  old-policy and reference forwards every trainer pays.
 - ``verl-omni-async``: veRL-Omni v0.3 fully async (Oct 2026, the v1 trainer): rollout and trainer
   GPUs apart, samples stream to the trainer, one-step staleness; the trainer recomputes old
   log-probs (bypass mode is opt-in); every weight sync aborts the requests in flight and regenerates
@@ -66,9 +70,9 @@ _VERL_ASYNC = ScheduleOptions(gap=True, staleness=1)
 PEERS: dict[str, Peer] = {
     p.name: p
     for p in (
-        Peer("colocated-flowgrpo", "Flow-GRPO (diffusers loop)", PRESETS["colocated"],
-             {"old_logprob_passes": 0.0, "phase_switches": False}, False,
-             "flow_grpo: one pipeline samples and trains; log-probs stored at sampling"),
+        Peer("colocated-flowgrpo", "Flow-GRPO / DiffusionNFT / Flow-Factory (one diffusers loop)",
+             PRESETS["colocated"], {"old_logprob_passes": 0.0, "phase_switches": False}, False,
+             "flow_grpo, NVlabs/DiffusionNFT: one pipeline samples and trains; log-probs stored at sampling"),
         Peer("verl-omni-async", "veRL-Omni v0.3 fully async", _VERL_ASYNC,
              {"trainer_old_logprob_passes": 1.0}, True,
              "verl-omni v0.3.0; issues #586/#610 (aborts on sync); rollout_correction.md (recompute ~20%)"),

@@ -96,9 +96,11 @@ def test_flops_mfu_and_ratios_against_an_independent_count(bench: tuple[Path, di
             assert m["mfu"] == pytest.approx(m["flops"] / (m["seconds"] * peak))
         if m["predicted_s"]:
             assert m["ratio"] == pytest.approx(m["seconds"] / m["predicted_s"])
-    # a train row as the cost model charges it: TRAIN_PASSES (4) forwards of one sample's velocity
+    # a train row as the cost model charges it: TRAIN_PASSES (4) forwards of one sample's velocity, plus the KL
+    # reference's forward (tiny-qwenimage.toml: train.kl_beta = 0.1), counted on the trainer's pass
     train = _rows(report, "train pass")[0]
-    assert train["size"] == 1 and train["flops"] == TRAIN_PASSES * step["flops"] / step["size"]
+    assert report["per_sample"]["nograd_forwards_per_row"] == 1.0
+    assert train["size"] == 1 and train["flops"] == (TRAIN_PASSES + 1) * step["flops"] / step["size"]
     assert report["peak"]["source"].startswith("measured here: float32 matmul")
 
 
@@ -123,3 +125,31 @@ def test_bench_tokens_on_cuda(tmp_path: Path) -> None:
     assert all(m["mfu"] is not None for m in report["rows"] if m["flops"])
     assert report["calibration"]["allreduce"]["source"].startswith("on a GPU the trainers' NCCL all-reduce")
     MeasuredCost.from_report(out)
+
+
+def test_bench_tokens_on_a_forward_process_config(tmp_path: Path) -> None:
+    """`--set train.algorithm=nft`: the rollout step is the ODE's, a train row runs fwd + bwd and the two no-grad
+    forwards DiffusionNFT's loss needs (old policy, reference; counted on the trainer's pass), and the report gives
+    one sample's cost on each side and their ratio."""
+    from digenrl.policy import trained_steps
+
+    out = tmp_path / "nft.json"
+    res = CliRunner().invoke(app, ["bench", "tokens", str(CONFIG), "--set", 'train.algorithm="nft"', "--max-batch", "2",
+                                   "--max-rows", "4", "--repeats", "1", "--no-allreduce", "--json", str(out)])
+    assert res.exit_code == 0, res.output
+    report = json.loads(out.read_text())
+    assert report["model"]["algorithm"] == "nft" and "trainer:rollout" in res.output
+    step = _rows(report, "rollout step")[-1]
+    assert step["note"].endswith("ODE step (dpm2)")
+    per = report["per_sample"]
+    rows = trained_steps(load_config(CONFIG, ['train.algorithm="nft"']))  # floor(0.99 x 3) = 2 noise levels
+    assert (per["rows"], per["nograd_forwards_per_row"], per["num_steps"]) == (rows, 2.0, 3)
+    for train in _rows(report, "train pass"):
+        assert train["flops"] == train["size"] * (TRAIN_PASSES + 2) * step["flops"] / step["size"]
+        assert "2 no-grad forward(s) a row" in train["note"]
+    cost = MeasuredCost.from_report(out)
+    assert per["train_s"] == pytest.approx(rows * cost.fits["train"][1])
+    assert per["rollout_s"] == pytest.approx(3 * cost.fits["rollout"][1])
+    assert per["passes"]["train_to_rollout"] == pytest.approx(rows * (TRAIN_PASSES + 2) / 3)
+    if per["rollout_s"]:
+        assert per["train_to_rollout"] == pytest.approx(per["train_s"] / per["rollout_s"])

@@ -93,7 +93,7 @@ def test_two_device_case_has_the_known_best_split() -> None:
         devices = [Device(n, roles[n], specs[n].peak_bf16_flops / device_spec("H800").peak_bf16_flops) for n in specs]
         cost = CostModel(prof, specs, calibrated_params(), roles)
         sched = make_schedule("async1", devices, workload, cost, tag_steps=best.tag_steps,
-                              fragment_groups=best.fragment_groups)
+                              fragment_groups=best.fragment_groups, train_pack=best.train_pack)
         measured[(roll_type, train_type)] = summarize(simulate(sched, devices, workload, cost)).steady.samples_per_s
     assert measured[("L40S", "H800")] > measured[("H800", "L40S")]
     assert best.rollout == {"L40S": 1} and best.trainer == {"H800": 1}
