@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
 import typer
 
@@ -19,6 +19,8 @@ if TYPE_CHECKING:
 
     from digenrl.config import Config
     from digenrl.plan.memory import MemoryPlan
+
+T = TypeVar("T")
 
 _SET_HELP = "Override a config value, e.g. --set train.lr=1e-3 (repeatable; values are TOML literals)."
 
@@ -41,8 +43,13 @@ def _load(config: Path, overrides: list[str] | None) -> tuple[Config, MemoryPlan
 def run(
     config: Annotated[Path, typer.Argument(help="A TOML config, e.g. configs/tiny-qwenimage.toml.")],
     set_: Annotated[list[str] | None, typer.Option("--set", help=_SET_HELP)] = None,
-    out: Annotated[Path | None, typer.Option("--out", help="Output directory (default runs/<timestamp>).")] = None,
+    out: Annotated[Path | None, typer.Option("--out", help="Output directory (default runs/<timestamp>). One that "
+                                             "holds an earlier run's outputs is refused, unless --resume continues "
+                                             "it or --overwrite replaces it.")] = None,
     resume: Annotated[Path | None, typer.Option("--resume", help="Continue from a run directory or checkpoint.")] = None,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Remove what an earlier run wrote in --out (its "
+                                            "metrics, checkpoints, samples, trace, Gantt, summary, weights, "
+                                            "config.json; other files stay) before starting.")] = False,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Debug logging.")] = False,
     launcher: Annotated[str | None, typer.Option(
         "--launcher", help="Who starts the actor processes: local or ray (= --set cluster.launcher=...).")] = None,
@@ -54,14 +61,19 @@ def run(
 
     The config's [schedule] name picks the single-process colocated loop (colocated) or the
     disaggregated actors (disaggregated, gap, tsp, tag, async1); --launcher ray places those
-    actors' processes with a Ray placement group."""
+    actors' processes with a Ray placement group.
+
+    On a terminal a live table shows each step; elsewhere (Slurm, nohup, a pipe) each step prints
+    one line on stdout. Ctrl-C (SIGINT) stops at once, SIGTERM (scancel, a preemption) after the
+    step under way and a checkpoint of it (log.term_grace seconds at most); both write the run's
+    summary, trace and Gantt, print how to resume, and exit 130 and 143."""
     logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     extra = [f"cluster.launcher={launcher}"] if launcher is not None else []
     if ray_address is not None:
         extra += ["cluster.launcher=ray", f"cluster.address='{ray_address}'"] if launcher is None else \
                  [f"cluster.address='{ray_address}'"]
     with _runtime_logs(verbose):
-        _run(config, [*(set_ or []), *extra], out, resume)
+        _run(config, [*(set_ or []), *extra], out, resume, overwrite)
 
 
 @contextlib.contextmanager
@@ -80,16 +92,25 @@ def _runtime_logs(verbose: bool) -> Iterator[None]:
             lg.setLevel(level)
 
 
-def _run(config: Path, set_: list[str] | None, out: Path | None, resume: Path | None) -> None:
+def _run(config: Path, set_: list[str], out: Path | None, resume: Path | None, overwrite: bool) -> None:
     from rich.console import Console
 
     from digenrl.recipes.colocated import summarize
 
-    cfg, plan = _load(config, set_)
-    out_dir = _out_dir(cfg, out, resume)
+    with _stopped_before_start():
+        # What --resume and --out name is checked first, in a second, before the config builds anything.
+        resumes = _config_errors(_resumed_directory, resume) if resume is not None else None
+        if out is not None or resumes is not None:
+            _config_errors(_claim, out or resumes, resumes, overwrite, False)
+        cfg, plan = _load(config, set_)
+        out_dir = _out_dir(cfg, out, resumes)
+        _config_errors(_claim, out_dir, resumes, overwrite, True)  # --overwrite removes only a config that loaded
     # Wide enough for the per-iteration metrics even when stderr is not a terminal (logs, CI).
     console = Console(stderr=True, width=max(Console(stderr=True).width, 160))
-    history = _run_recipe(cfg, out_dir, resume, console)
+    n = cfg.train.iterations
+    console.print(f"digenrl run: {cfg.schedule.name}, {n} step{'s' if n != 1 else ''}"
+                  + (f", resuming {resume}" if resume is not None else "") + f"; outputs in {out_dir}", markup=False)
+    history = _run_recipe(cfg, out_dir, resume, console, _command(config, set_))
     s = summarize(history)
     for line in _memory_lines(plan, out_dir):
         console.print(line, markup=False)
@@ -105,6 +126,60 @@ def _run(config: Path, set_: list[str] | None, out: Path | None, resume: Path | 
                       + " (rows_by_expert/<expert> in metrics.jsonl)", markup=False)
 
 
+class _Signalled(BaseException):
+    def __init__(self, signum: int) -> None:
+        self.signum = signum
+
+
+@contextlib.contextmanager
+def _stopped_before_start() -> Iterator[None]:
+    """SIGINT or SIGTERM while the config is checked: one line and 130 / 143 (the run brings its own handlers,
+    digenrl.roles.stop). A SIGINT ignored when we started (a script's background job) stays ignored."""
+    import signal
+    import threading
+
+    def stop(signum: int, frame: object) -> None:
+        raise _Signalled(signum)
+
+    sigs = [s for s in (signal.SIGINT, signal.SIGTERM) if signal.getsignal(s) is not signal.SIG_IGN
+            and threading.current_thread() is threading.main_thread()]
+    previous = {s: signal.signal(s, stop) for s in sigs}
+    try:
+        yield
+    except _Signalled as exc:
+        typer.echo("interrupted before the run started; nothing was written", err=True)
+        raise typer.Exit(128 + exc.signum) from None
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+def _config_errors(fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)``; a ConfigError becomes its one red line and exit code 2."""
+    try:
+        return fn(*args)
+    except ConfigError as exc:
+        typer.secho(f"config error: {exc}", fg=typer.colors.RED, err=True)
+        raise typer.Exit(2) from exc
+
+
+def _resumed_directory(resume: Path) -> Path:
+    from digenrl.recipes.checkpoint import find_checkpoint, run_directory
+
+    return run_directory(find_checkpoint(resume))
+
+
+def _claim(out_dir: Path, resumes: Path | None, overwrite: bool, remove: bool) -> None:
+    from digenrl.recipes.outputs import check_out_dir, claim_out_dir
+
+    (claim_out_dir if remove else check_out_dir)(out_dir, resumes=resumes, overwrite=overwrite)
+
+
+def _command(config: Path, set_: list[str]) -> list[str]:
+    """The command line that repeats this run (its config and --set values; --resume and --out added by the caller)."""
+    return ["digenrl", "run", str(config), *(a for item in set_ for a in ("--set", item))]
+
+
 def _memory_lines(plan: MemoryPlan, out_dir: Path) -> list[str]:
     """Each GPU process's measured peak beside the memory plan (from the run's summary.json)."""
     import json
@@ -118,33 +193,38 @@ def _memory_lines(plan: MemoryPlan, out_dir: Path) -> list[str]:
             + (f" ({m['ratio']:.2f}x)" if m["ratio"] else "") for m in planned_vs_measured(plan, peaks)]
 
 
-def _out_dir(cfg: Config, out: Path | None, resume: Path | None) -> Path:
+def _out_dir(cfg: Config, out: Path | None, resumes: Path | None) -> Path:
     """``--out``, else the resumed run's own directory (it continues there), else ``log.out`` or a new one."""
-    from digenrl.recipes.checkpoint import find_checkpoint, run_directory
     from digenrl.recipes.colocated import default_out_dir
 
     if out is not None:
         return out
-    if resume is not None:
-        try:
-            return run_directory(find_checkpoint(resume))
-        except ConfigError as exc:
-            typer.secho(f"config error: {exc}", fg=typer.colors.RED, err=True)
-            raise typer.Exit(2) from exc
+    if resumes is not None:
+        return resumes
     return Path(cfg.log.out) if cfg.log.out else default_out_dir()
 
 
-def _run_recipe(cfg: Config, out_dir: Path, resume: Path | None, console: Console) -> list[dict[str, Any]]:
+def _run_recipe(cfg: Config, out_dir: Path, resume: Path | None, console: Console,
+                command: list[str]) -> list[dict[str, Any]]:
     """The colocated loop or the actors, with the live table; a run that stops says why in one line."""
+    import shlex
     from dataclasses import replace
 
     from digenrl.errors import RemoteError
     from digenrl.recipes.disaggregated import run_disaggregated
     from digenrl.rewards import RewardError
     from digenrl.roles.coordinator import RunStopped
+    from digenrl.roles.stop import RunInterrupted
 
     try:
         return run_disaggregated(replace(cfg, log=replace(cfg.log, live=True)), out_dir, resume)
+    except RunInterrupted as exc:  # SIGINT / SIGTERM: in order, with what it takes to continue
+        if exc.checkpoint is not None:
+            again = f"resume with: {shlex.join([*command, '--resume', str(out_dir)])}"
+        else:
+            again = f"start again with: {shlex.join([*command, '--out', str(out_dir), '--overwrite'])}"
+        console.print(f"{exc}; {again}", markup=False, soft_wrap=True)
+        raise typer.Exit(exc.exit_code) from None
     except (RunStopped, ConfigError, RewardError) as exc:  # RewardError: a failing reward, or a spent budget
         print_error(console, exc)
         raise typer.Exit(1) from exc
@@ -198,6 +278,7 @@ def register(app: typer.Typer) -> None:
                       "digenrl run configs/tiny-qwenimage.toml --launcher ray   # a Ray placement group",
                       "digenrl run configs/qwenimage.toml --launcher ray --ray-address 10.0.0.1:6379",
                       "digenrl run configs/tiny-qwenimage.toml --set schedule.name=colocated --out runs/colocated",
-                      "digenrl run configs/tiny-qwenimage.toml --resume runs/color")
+                      "digenrl run configs/tiny-qwenimage.toml --resume runs/color",
+                      "digenrl run configs/tiny-qwenimage.toml --out runs/color --overwrite   # replace that run")
     app.command("run", epilog=epilog)(run)
     app.command("validate", epilog=examples("digenrl validate configs/tiny-qwenimage.toml --set train.lr=1e-3"))(validate)

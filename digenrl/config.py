@@ -695,7 +695,12 @@ class LogConfig:
     images_per_grid: int = 16
     seed: int = 0  # run seed: prompts, noise, step windows
     checkpoint_every: int = 1  # optimizer steps between checkpoints (every schedule); 0 disables them
-    keep_checkpoints: int = 2
+    keep_checkpoints: int = 2  # the newest ones; the one checkpoints/latest names is never removed
+    # SIGTERM (scancel, a preemption, Kubernetes): seconds the run may take to finish the step under way and write
+    # its checkpoint before it stops; 0 stops at once. SIGINT (Ctrl-C) always stops at once. Either way it writes
+    # summary.json, trace.json and gantt.png and says how to resume. Keep it below the SIGKILL that follows
+    # (Slurm's KillWait, Kubernetes' terminationGracePeriodSeconds).
+    term_grace: float = 25.0  # below Slurm's default KillWait (30 s)
     trace: bool = True  # trace.json (Chrome/Perfetto spans of every actor)
     gantt: bool = True  # gantt.png
     tensorboard: bool = False
@@ -706,6 +711,7 @@ class LogConfig:
         _check("log.images_per_grid", self.images_per_grid >= 1, ">= 1", self.images_per_grid)
         _check("log.checkpoint_every", self.checkpoint_every >= 0, ">= 0", self.checkpoint_every)
         _check("log.keep_checkpoints", self.keep_checkpoints >= 1, ">= 1", self.keep_checkpoints)
+        _check("log.term_grace", self.term_grace >= 0, ">= 0 (seconds)", self.term_grace)
 
 
 @dataclass(frozen=True)

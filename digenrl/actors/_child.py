@@ -3,7 +3,9 @@
 Launched by ``ChildProcess.launch`` (``ActorSystem.spawn(process=True)``). It names the process
 ``digenrl-<name>`` (so ``ps`` shows who is who), makes the kernel send it SIGTERM if the driver
 dies (Linux; ``--parent-signal SIGKILL`` when its parent is a supervisor whose death means the
-process is lost, as a launcher's per-bundle host), configures logging to stderr, and runs ``run_worker``. It imports no torch of its
+process is lost, as a launcher's per-bundle host), configures logging to stderr, and runs ``run_worker``.
+``--defer-signals`` (the driver's own children, started through ``process._BOOT``) leaves SIGINT and
+SIGTERM to the driver until it lets go of the process or dies. It imports no torch of its
 own; an actor module that needs torch imports it.
 """
 
@@ -49,6 +51,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--allow", default=None, help="module:Class, the one actor class this process hosts")
     p.add_argument("--keys", default=None, help="the cluster's CURVE keys directory")
     p.add_argument("--event-loop", default=None, help="uvloop or asyncio (default: uvloop when installed)")
+    p.add_argument("--defer-signals", action="store_true",
+                   help="leave SIGINT and SIGTERM to the parent (the driver) while it lives (see run_worker)")
     args = p.parse_args(argv)
 
     try:
@@ -64,8 +68,10 @@ def main(argv: list[str] | None = None) -> int:
         format=f"%(asctime)s digenrl-{args.name}[%(process)d] %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
-    # SIGTERM before the loop installs its handler must still exit cleanly (KeyboardInterrupt-free).
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    driver = args.parent_pid if args.defer_signals else None
+    if driver is None:  # (deferred: the launcher's bootstrap has set both until the loop runs; see process._BOOT)
+        # SIGTERM before the loop installs its handler must still exit cleanly (KeyboardInterrupt-free).
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
     from digenrl.actors.allowlist import AllowList
     from digenrl.actors.loop import run
@@ -76,7 +82,8 @@ def main(argv: list[str] | None = None) -> int:
         keys = load_keys(args.keys) if args.keys else None
         reason = run(run_worker(args.join, name=args.name, listen=args.listen, transport=args.transport,
                                 token=args.token, parent_timeout=args.parent_timeout,
-                                allow=AllowList([args.allow] if args.allow else []), keys=keys), args.event_loop)
+                                allow=AllowList([args.allow] if args.allow else []), keys=keys,
+                                defer_signals_to=driver), args.event_loop)
     except Exception:
         logging.getLogger("digenrl.actors").exception("actor process %s failed", args.name)
         return 1

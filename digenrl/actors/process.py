@@ -5,7 +5,10 @@ forked copy of a driver that holds threads, CUDA contexts or sockets is unsafe).
 ``digenrl-<actor>`` with setproctitle, joins the system's registry, and hosts one actor.
 
 ``ChildProcess`` is the resource holder of one such process. Its ending follows one deadline:
-``terminate`` (SIGTERM: the child drains and exits) → wait → ``kill`` (SIGKILL) → wait. A
+``terminate`` (SIGTERM: the child drains and exits) → wait → ``kill`` (SIGKILL) → wait. A child
+leaves SIGINT and SIGTERM to its driver, which stops a run in order on them, until the driver lets
+go of it (closes its stdin, at the start of that ladder) or dies: a terminal's Ctrl-C and Slurm's
+SIGTERM reach every process of the run. A
 ``weakref.finalize`` kills the process if the holder is dropped or the interpreter exits without
 an explicit stop, so a crashed driver leaves no orphans behind (the child also watches the
 driver's heartbeats and, on Linux, gets SIGTERM when the driver dies).
@@ -41,6 +44,22 @@ def describe_exit(returncode: int | None) -> str:
     return f"exited with code {returncode}"
 
 
+# ``python -m digenrl.actors._child`` with its signals left to this driver from the interpreter's first line, before
+# the seconds of imports that ``-m`` would begin with: SIGINT ignored (a terminal's Ctrl-C reaches the whole process
+# group), SIGTERM obeyed only once the driver let go (its stdin pipe at EOF: ``ChildProcess.stop`` closes it, as does
+# the driver's death) or died (Slurm signals every process of a job; the driver stops the run in order first).
+_BOOT = """\
+import os, runpy, select, signal, sys
+parent = os.getppid()
+def term(*_):
+    if os.getppid() != parent or (select.select([0], [], [], 0)[0] and not os.read(0, 1)):
+        sys.exit(143)
+signal.signal(signal.SIGINT, signal.SIG_IGN)
+signal.signal(signal.SIGTERM, term)
+runpy.run_module("digenrl.actors._child", run_name="__main__", alter_sys=True)
+"""
+
+
 def _kill_if_running(proc: asyncio.subprocess.Process) -> None:
     if proc.returncode is None:
         with contextlib.suppress(ProcessLookupError):
@@ -73,7 +92,8 @@ class ChildProcess:
 
     @classmethod
     async def launch(cls, title: str, args: Sequence[str], env: Mapping[str, str] | None = None) -> ChildProcess:
-        """Start ``python -m digenrl.actors._child <args>``; stdout/stderr are inherited.
+        """Start ``python -m digenrl.actors._child <args>`` (signals deferred to this process, see ``_BOOT``);
+        stdout/stderr are inherited.
 
         ``env`` adds to (or overrides) the driver's environment, e.g. ``CUDA_VISIBLE_DEVICES``.
 
@@ -82,9 +102,11 @@ class ChildProcess:
         """
         # Children run the runtime: they log at this driver's runtime level.
         level = logging.getLevelName(logging.getLogger("digenrl.actors").getEffectiveLevel())
-        argv = [sys.executable, "-m", "digenrl.actors._child", *args, "--parent-pid", str(os.getpid()),
+        # --defer-signals (and _BOOT until it runs): SIGINT and SIGTERM are this driver's to handle.
+        argv = [sys.executable, "-c", _BOOT, *args, "--parent-pid", str(os.getpid()), "--defer-signals",
                 "--log-level", level if level in ("DEBUG", "INFO", "WARNING", "ERROR") else "INFO"]
-        proc = await asyncio.create_subprocess_exec(*argv, env=_child_env(env), stdin=subprocess.DEVNULL)
+        # stdin: a pipe nobody writes to; its EOF tells the child this driver let go of it (stop(), or its death).
+        proc = await asyncio.create_subprocess_exec(*argv, env=_child_env(env), stdin=subprocess.PIPE)
         log.debug("launched %s pid=%d", title, proc.pid)
         return cls(title, proc)
 
@@ -116,7 +138,13 @@ class ChildProcess:
             await task
             raise
 
+    def let_go(self) -> None:
+        """Close the child's stdin: from now on it obeys SIGTERM (see ``_BOOT``). Idempotent."""
+        if self.proc.stdin is not None and not self.proc.stdin.is_closing():
+            self.proc.stdin.close()
+
     async def _stop(self, timeout: float) -> int:
+        self.let_go()
         end = time.monotonic() + timeout
         if await self._wait_until(end):
             return self._done()

@@ -291,7 +291,8 @@ class ActorSystem:
         return ActorRef(name, worker.address, actor_class=cls, node=self.node)
 
     async def _discard_worker(self, child: ChildProcess, name: str) -> None:
-        worker = next((w for w in self._workers.values() if w.process is child), None)
+        # By pid too: a spawn cancelled right after the child joined has not set worker.process yet.
+        worker = next((w for w in self._workers.values() if w.process is child or w.pid == child.pid), None)
         if worker is not None:
             self._workers.pop(worker.address, None)
             with contextlib.suppress(DigenrlError, TimeoutError):

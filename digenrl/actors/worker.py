@@ -10,8 +10,9 @@ Protocol (all of it ordinary actor calls):
 2. host the ``NodeAgent`` as ``_agent`` (it answers only the system it joined);
 3. call ``_registry.join(address, name, pid, host, token)`` on the system;
 4. serve: the system calls ``_agent.spawn_actor(...)`` to host actors here, and pings;
-5. exit when the system calls ``_agent.shutdown``, on SIGTERM/SIGINT, or when the system has
-   been silent for ``parent_timeout`` seconds (it died): drain actors → close → return.
+5. exit when the system calls ``_agent.shutdown``, on SIGTERM/SIGINT (a local driver's children leave
+   those to the driver while it lives: ``defer_signals_to``), or when the system has been silent for
+   ``parent_timeout`` seconds (it died): drain actors → close → return.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import select
 import signal
 import socket
 import time
@@ -50,6 +52,7 @@ async def run_worker(
     shutdown_timeout: float = 10.0,
     allow: AllowList | None = None,
     keys: ClusterKeys | None = None,
+    defer_signals_to: int | None = None,
 ) -> str:
     """Join the system at ``join`` and host actors for it until it lets go (see the module docstring).
 
@@ -67,6 +70,12 @@ async def run_worker(
             ``register_actor_class``); default: only the registered ones.
         keys: the cluster's CURVE keys; required when ``listen`` is off loopback, and must match
             the system's when it has keys.
+        defer_signals_to: the pid of the driver that launched this process on this host, which stops
+            the run in order on SIGINT and SIGTERM (and then this worker, by ``_agent.shutdown``). A
+            terminal's Ctrl-C reaches the whole process group and Slurm signals every process of a
+            job, so this worker ignores SIGINT, and SIGTERM until that driver lets go of it (closes its
+            stdin: ``ChildProcess.stop``) or dies (then Linux sends SIGTERM, which ends it as usual).
+            ``None``: both end it.
 
     Returns:
         Why it stopped: ``"shutdown"`` (the system let go), ``"signal"`` or ``"orphaned"``
@@ -99,22 +108,26 @@ async def run_worker(
             raise
         parent_timeout = float(config.get("heartbeat_timeout", parent_timeout))
         log.info("worker %s: joined %s, serving at %s", name, join, node.address)
-        return await _serve(node, join, stop, parent_timeout, agent)
+        return await _serve(node, join, stop, parent_timeout, agent, defer_signals_to)
     finally:
         await _close(node, name, shutdown_timeout)
 
 
-async def _serve(node: Node, join: str, stop: asyncio.Event, parent_timeout: float, agent: _agent.NodeAgent) -> str:
+async def _serve(node: Node, join: str, stop: asyncio.Event, parent_timeout: float, agent: _agent.NodeAgent,
+                 driver: int | None = None) -> str:
     loop = asyncio.get_running_loop()
     reason = "shutdown"
 
     def on_signal(sig: signal.Signals) -> None:
         nonlocal reason
+        if driver is not None and not _let_go(driver):
+            log.info("[shutdown] worker %s: step=signal %s left to the driver (pid %d)", node.name, sig.name, driver)
+            return
         reason = "signal"
         log.info("[shutdown] worker %s: step=signal %s", node.name, sig.name)
         stop.set()
 
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    for sig in (signal.SIGTERM, signal.SIGINT) if driver is None else (signal.SIGTERM,):
         with contextlib.suppress(NotImplementedError, RuntimeError):  # not the main thread / platform
             loop.add_signal_handler(sig, on_signal, sig)
     def on_broken(peer: str, error: Exception) -> None:
@@ -143,6 +156,11 @@ async def _serve(node: Node, join: str, stop: asyncio.Event, parent_timeout: flo
             with contextlib.suppress(NotImplementedError, RuntimeError):
                 loop.remove_signal_handler(sig)
     return reason
+
+
+def _let_go(driver: int) -> bool:
+    """The driver that launched this process let go of it: it died, or closed our stdin (``ChildProcess.stop``)."""
+    return os.getppid() != driver or bool(select.select([0], [], [], 0)[0] and not os.read(0, 1))
 
 
 async def _close(node: Node, name: str, timeout: float) -> None:

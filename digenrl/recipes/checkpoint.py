@@ -58,7 +58,8 @@ async def save_checkpoint(root: Path, step: int, state: dict[str, Any],
         step: optimizer steps done (the version the weights are at).
         state: the coordinator's JSON-serialisable state.
         write_trainer: writes the trainer's files into the directory it is given.
-        keep: complete checkpoints kept (older ones are removed after the new one is in place).
+        keep: complete checkpoints kept: the new one and the newest ``keep - 1`` others (removed after the
+            new one is in place and ``latest`` names it).
 
     Returns:
         The checkpoint directory.
@@ -103,10 +104,17 @@ def _commit(root: Path, tmp: Path, step: int, state: dict[str, Any], keep: int) 
     _fsync_file(pointer)
     os.replace(pointer, root / "latest")
     _fsync_dir(root)
-    complete = sorted(p for p in root.glob("step-*") if p.is_dir())
-    for old in complete[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
+    _prune(root, final, keep)
     return final
+
+
+def _prune(root: Path, latest: Path, keep: int) -> None:
+    """Keep ``latest`` (what ``latest`` names) and the newest ``keep - 1`` others. By step number, never by
+    position: a directory may hold checkpoints of higher steps than the one just written (a resume from an
+    older checkpoint), and the one ``latest`` names must survive them."""
+    others = sorted(p for p in root.glob("step-*") if p.is_dir() and p != latest)
+    for old in others[: max(0, len(others) - (keep - 1))]:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def find_checkpoint(path: str | Path) -> Path:
@@ -115,19 +123,37 @@ def find_checkpoint(path: str | Path) -> Path:
     Raises:
         ConfigError: nothing resumable there, or the checkpoint misses a file (named).
     """
-    p = Path(path)
-    for root in (p, p / "checkpoints"):
+    given = Path(path)
+    if not given.exists():
+        raise ConfigError(f"--resume {str(path)!r}: no such file or directory")
+    p = given
+    for root in (given, given / "checkpoints"):
         pointer = root / "latest"
         if pointer.is_file():
             p = root / pointer.read_text().strip()
+            if not p.is_dir():
+                raise ConfigError(f"--resume {str(path)!r}: {pointer} names {p.name}, which is not there")
             break
-    if not p.is_dir():
-        raise ConfigError(f"--resume {str(path)!r}: no checkpoint there (expected a step-* directory, a "
-                          "checkpoints directory with 'latest', or a run directory)")
+    else:
+        if not given.is_dir() or not (given.name.startswith("step-") or any((given / n).exists()
+                                                                            for n in REQUIRED_FILES)):
+            raise ConfigError(_not_resumable(given, path))
     missing = [n for n in REQUIRED_FILES if not (p / n).is_file()]
     if missing:
         raise ConfigError(f"--resume {str(path)!r}: checkpoint {p} is incomplete, missing {missing}")
     return p
+
+
+def _not_resumable(p: Path, path: str | Path) -> str:
+    """Why ``p`` (no ``latest`` in it or its ``checkpoints/``) is nothing to resume from."""
+    if not p.is_dir():
+        return f"--resume {str(path)!r}: a file, not a run directory or checkpoint"
+    if (p / "metrics.jsonl").is_file() or (p / "checkpoints").is_dir():
+        return (f"--resume {str(path)!r}: a run directory without a checkpoint (it stopped before its first, or "
+                f"ran with log.checkpoint_every = 0): nothing to resume; start it again with --out {str(path)!r} "
+                "--overwrite")
+    return (f"--resume {str(path)!r}: not a run directory (no checkpoints/latest in it) nor a checkpoint "
+            "(step-*/ with trainable.safetensors, optimizer.pt, coordinator.json)")
 
 
 def run_directory(checkpoint: Path) -> Path:

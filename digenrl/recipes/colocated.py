@@ -15,7 +15,8 @@ It writes what an actor run writes: ``metrics.jsonl`` (one JSON object per itera
 ``config.json``, image grids of samples every ``log.image_every`` iterations, checkpoints in the actors'
 format (``--resume`` continues from them), ``trace.json``, ``gantt.png`` and ``summary.json`` of its one
 device's phases (rollout, reward = decode + score, train, optim), the trained weights, and the live
-table. Everything is seeded from ``log.seed`` and the iteration: prompts, initial noise, transition
+table (plain lines outside a terminal). SIGINT and SIGTERM stop it in order (:mod:`digenrl.roles.stop`).
+Everything is seeded from ``log.seed`` and the iteration: prompts, initial noise, transition
 noise and step windows, so a run is reproducible and a resumed run continues exactly.
 """
 
@@ -25,10 +26,10 @@ import contextlib
 import json
 import logging
 import math
+import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +44,7 @@ from digenrl.models.experts import expert_splitter, window_range
 from digenrl.models.lora import load_trainable, sampling, save_trainable
 from digenrl.policy import build_model, trained_steps
 from digenrl.recipes.checkpoint import find_checkpoint, load_state, write_checkpoint
+from digenrl.recipes.outputs import fresh_out_dir
 from digenrl.rewards import build_reward
 from digenrl.rewards.base import GuardedReward
 from digenrl.rewards.failures import FailureBudget
@@ -55,6 +57,7 @@ from digenrl.rl.ode import ode_step
 from digenrl.rl.rollout import rollout_steps
 from digenrl.rl.steps import plan_steps
 from digenrl.rl.tsp import parity_recompute
+from digenrl.roles.stop import RunInterrupted, StopRequest, on_signals
 from digenrl.schedule.base import Device, Role, Workload
 from digenrl.telemetry.live import LiveDisplay
 from digenrl.telemetry.memory import peak_memory
@@ -91,8 +94,8 @@ class ColocatedRun:
 
 
 def default_out_dir() -> Path:
-    """``runs/<timestamp>``."""
-    return Path("runs") / datetime.now().strftime("%Y%m%d-%H%M%S")
+    """``runs/<timestamp>`` (``-2``... when another run took that second's)."""
+    return fresh_out_dir()
 
 
 def setup(cfg: Config) -> ColocatedRun:
@@ -314,44 +317,68 @@ def train(
         RewardFailing: under ``"penalty"``, more than ``reward.max_failure_fraction`` of the samples of
             the last ``reward.failure_window`` iterations failed.
         FloatingPointError: a non-finite gradient norm.
+        RunInterrupted: SIGINT (at once) or SIGTERM (after the iteration under way and its checkpoint, within
+            ``log.term_grace`` seconds) stopped the run; its outputs are written (:mod:`digenrl.roles.stop`).
     """
     if torch.get_num_threads() != cfg.placement.threads:
         torch.set_num_threads(cfg.placement.threads)
     torch.manual_seed(cfg.log.seed)
-    run = setup(cfg)
-    base, history = _resume(run, resume) if resume is not None else (0, [])
-    title = f"digenrl {cfg.schedule.name}"
-    if base >= cfg.train.iterations:  # nothing left to do (and nothing of the finished run is overwritten)
-        if cfg.log.live:
-            LiveDisplay.show(cfg.train.iterations, title, history)
-        return history
     out = Path(out_dir or cfg.log.out or default_out_dir())
+    with on_signals(StopRequest(cfg.log.term_grace)) as stop:
+        try:
+            with stop.interruptible():  # building the model and reading the checkpoint: nothing written yet
+                run = setup(cfg)
+                base, history = _resume(run, resume) if resume is not None else (0, [])
+        except stop.stopped():
+            done = load_state(find_checkpoint(resume))["version"] if resume is not None else 0
+            raise RunInterrupted(stop.signum or signal.SIGINT, 0).at(done, out if write_files else None) from None
+        title = f"digenrl {cfg.schedule.name}"
+        if base >= cfg.train.iterations:  # nothing left to do (and nothing of the finished run is overwritten)
+            if cfg.log.live:
+                LiveDisplay.show(cfg.train.iterations, title, history)
+            return history
+        if write_files:
+            out.mkdir(parents=True, exist_ok=True)
+            (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
+            log.debug("run: writing to %s", out)
+        _loop(run, base, history, out if write_files else None, stop, on_iteration)
+    if stop.signum is not None:
+        raise RunInterrupted(stop.signum, 0).at(len(history), out if write_files else None)
     if write_files:
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
-        log.info("run: writing to %s", out)
-    metrics = MetricsLog(out if write_files else None, cfg.log.tensorboard, history)
-    live = LiveDisplay(cfg.train.iterations, title, history) if cfg.log.live else None
+        save_trainable(run.model, out / "trainable.safetensors")
+    return history
+
+
+def _loop(run: ColocatedRun, base: int, history: list[dict[str, Any]], out: Path | None, stop: StopRequest,
+          on_iteration: Callable[[dict[str, Any]], None] | None) -> None:
+    """Iterations ``base`` on, each with its metrics line, live-table row, sample grid and checkpoint, until the
+    last or a signal: SIGINT leaves the iteration under way, SIGTERM stops after it (and its checkpoint)."""
+    cfg = run.cfg
+    metrics = MetricsLog(out, cfg.log.tensorboard, history)
+    live = LiveDisplay(cfg.train.iterations, f"digenrl {cfg.schedule.name}", history) if cfg.log.live else None
     try:
         with live or contextlib.nullcontext():
             for it in range(base, cfg.train.iterations):
-                line, images, _ = iteration(run, it)
+                with stop.interruptible():
+                    line, images, _ = iteration(run, it)
+                terminating = stop.checkpoint_due  # a SIGTERM that came later stops at the next boundary
                 history.append(line)
                 metrics.write(line)
                 if live is not None:
                     live.update(line)
-                if write_files:
-                    _write_outputs(run, out, it, images, history)
+                if out is not None:
+                    _write_outputs(run, out, it, images, history, checkpoint=terminating)
                 log.debug("iteration %d: %s", it, line)
                 if on_iteration is not None:
                     on_iteration(line)
+                if terminating or stop.now:
+                    break
+    except stop.stopped():
+        pass  # the iteration under way is lost; the last checkpoint holds what came before it
     finally:
         metrics.close()
-        if write_files:
+        if out is not None:
             _write_timeline(run, out, base)
-    if write_files:
-        save_trainable(run.model, out / "trainable.safetensors")
-    return history
 
 
 def _resume(run: ColocatedRun, path: str | Path) -> tuple[int, list[dict[str, Any]]]:
@@ -369,13 +396,15 @@ def _resume(run: ColocatedRun, path: str | Path) -> tuple[int, list[dict[str, An
     return version, list(state.get("history", []))[:version]
 
 
-def _write_outputs(run: ColocatedRun, out: Path, it: int, images: torch.Tensor, history: list[dict[str, Any]]) -> None:
-    """Iteration ``it``'s sample grid and checkpoint, when they are due."""
+def _write_outputs(run: ColocatedRun, out: Path, it: int, images: torch.Tensor, history: list[dict[str, Any]],
+                   checkpoint: bool = False) -> None:
+    """Iteration ``it``'s sample grid and checkpoint, when they are due (``checkpoint``: due now, SIGTERM's;
+    not with ``log.checkpoint_every = 0``)."""
     lg, last = run.cfg.log, it == run.cfg.train.iterations - 1
     if lg.image_every and (it % lg.image_every == 0 or last):
         save_grid(images[: lg.images_per_grid], out / "samples" / f"step_{it:05d}.png",
                   columns=run.cfg.rollout.group_size)
-    if lg.checkpoint_every and ((it + 1) % lg.checkpoint_every == 0 or last):
+    if lg.checkpoint_every and ((it + 1) % lg.checkpoint_every == 0 or last or checkpoint):
         # The actors' checkpoint: the trainer's files and the coordinator's state (nothing is in flight here).
         state = {"version": it + 1, "next_batch": it + 1, "seed": lg.seed, "history": history,
                  "schedule": run.cfg.schedule.name, "in_flight": [], "lost_devices": []}

@@ -14,6 +14,10 @@ restore the checkpoint when resuming, then let the
 :class:`~digenrl.roles.coordinator.Coordinator` drive the schedule. ``schedule.name = "colocated"``
 runs the single-process reference loop (:func:`digenrl.recipes.colocated.train`) instead.
 
+SIGINT stops the run at once and SIGTERM after the next step's checkpoint (``log.term_grace``), in order,
+with the outputs below written (:mod:`digenrl.roles.stop`); the actor processes leave both signals to
+this one (``digenrl.actors.process``).
+
 Outputs in ``out_dir``: ``config.json``, ``metrics.jsonl`` (one line per optimizer step),
 ``samples/step_*.png``, ``checkpoints/step-*`` (atomic, ``latest``), ``trace.json`` (Chrome/Perfetto
 spans of every actor), ``gantt.png`` and ``summary.json`` (the simulator's steady/full metrics of the
@@ -45,6 +49,7 @@ from digenrl.recipes.preflight import cluster_keys, preflight
 from digenrl.roles.coordinator import Coordinator, RunStopped
 from digenrl.roles.reward import RewardActor
 from digenrl.roles.rollout import RolloutActor
+from digenrl.roles.stop import RunInterrupted, StopRequest, stop_scope
 from digenrl.roles.trainer import PREVIOUS_WEIGHTS, TrainerActor
 from digenrl.schedule.base import CostEstimate, Device, Role, Token
 from digenrl.schedule.cost import UniformCost
@@ -209,14 +214,14 @@ async def arun_disaggregated(cfg: Config, out_dir: str | Path | None = None, res
 
     Raises:
         ConfigError: ``schedule.name`` is not an actor schedule, or a bad checkpoint.
-        RunStopped, RemoteError: as :func:`run_disaggregated`.
+        RunStopped, RunInterrupted, RemoteError: as :func:`run_disaggregated`.
     """
     from digenrl.recipes.colocated import default_out_dir, save_grid
 
     if not cfg.disaggregated:
         raise ConfigError(f"schedule.name = {cfg.schedule.name!r} runs the single-process loop; the actor recipe "
                           f"needs one of {', '.join(ACTOR_SCHEDULES)} (run_disaggregated runs both)")
-    sched, place, transport, logc = cfg.schedule, cfg.placement, cfg.transport, cfg.log
+    sched, logc = cfg.schedule, cfg.log
     # What `digenrl validate` checks too, before any checkpoint is read or process started (the CLI has run it
     # already; library callers get the same refusals here instead of a remote traceback).
     preflight(cfg)
@@ -234,8 +239,10 @@ async def arun_disaggregated(cfg: Config, out_dir: str | Path | None = None, res
     metrics = MetricsLog(out if write_files else None, logc.tensorboard, history)
     live = LiveDisplay(cfg.train.iterations, f"digenrl {sched.name}", history) if logc.live else None
     t0 = time.time()
+    steps = [base]  # optimizer steps done, for the line of a run a signal stops
 
     def step_done(m: dict[str, Any]) -> None:
+        steps[0] = int(m["step"]) + 1
         metrics.write(m)
         if live is not None:
             live.update(m)
@@ -246,6 +253,25 @@ async def arun_disaggregated(cfg: Config, out_dir: str | Path | None = None, res
         save_grid(imgs[: cfg.log.images_per_grid].float() / 255, out / "samples" / f"step_{step:05d}.png",
                   columns=cfg.rollout.group_size)
 
+    stop = StopRequest(logc.term_grace)
+    try:
+        async with stop_scope(stop):
+            return await _run_actors(cfg, out, base, ckpt, history, options, stop, metrics, live, step_done,
+                                     images if write_files else None, write_files, t0, cost=cost,
+                                     on_dispatch=on_dispatch, on_result=on_result, on_admit=on_admit)
+    except RunInterrupted as exc:
+        raise exc.at(max(exc.step, steps[0]), out if write_files else None) from None
+
+
+async def _run_actors(cfg: Config, out: Path, base: int, ckpt: Path | None, history: list[dict[str, Any]],
+                      options: dict[str, Any], stop: StopRequest, metrics: MetricsLog, live: LiveDisplay | None,
+                      step_done: Callable[[dict[str, Any]], None], images: Callable[[int, torch.Tensor], None] | None,
+                      write_files: bool, t0: float, *, cost: CostEstimate | None,
+                      on_dispatch: Callable[[str, dict[str, Any]], Any] | None,
+                      on_result: Callable[[Timeline, list[tuple[Token, float]], list[tuple[Token, float]]], None] | None,
+                      on_admit: Callable[[dict[str, Any]], None] | None) -> list[dict[str, Any]]:
+    """Start the actors, restore the checkpoint, let the coordinator drive the schedule, write the artifacts."""
+    sched, transport, logc = cfg.schedule, cfg.transport, cfg.log
     # cuda_ipc: the actors' messages (weights and latents alike) carry CUDA IPC handles instead of host copies.
     kind = "cuda_ipc" if transport.weights == "cuda_ipc" else transport.actors
     # A failed bind (port in use) names the config key that holds the address.
@@ -275,8 +301,8 @@ async def arun_disaggregated(cfg: Config, out_dir: str | Path | None = None, res
             is_dead=cluster.is_dead, weights_lane=transport.weights if transport.weights in COMM_KINDS else "zmq",
             bucket_mb=transport.bucket_mb, checkpoint=checkpoint if write_files else None,
             checkpoint_every=logc.checkpoint_every, on_step=step_done,
-            on_images=images if write_files else None, on_dispatch=on_dispatch, t0=t0, shard=cfg.shard,
-            on_admit=on_admit)
+            on_images=images, on_dispatch=on_dispatch, t0=t0, shard=cfg.shard,
+            on_admit=on_admit, stop=stop)
         late = LateRollouts(cfg, system, coordinator)
         late.install()  # from now on a worker that joins is a late rollout actor, or refused
         try:
@@ -356,6 +382,8 @@ def run_disaggregated(cfg: Config, out_dir: str | Path | None = None, resume: st
 
     Raises:
         RunStopped: a trainer died (the message names the checkpoint to resume from).
+        RunInterrupted: SIGINT or SIGTERM stopped the run in order (:mod:`digenrl.roles.stop`): SIGTERM after the
+            step under way and its checkpoint (within ``log.term_grace`` s), SIGINT at once; artifacts written.
         ConfigError: a bad setting or checkpoint.
         RemoteError: an actor failed (its traceback attached).
     """

@@ -8,6 +8,7 @@
 * :mod:`.trainer`: :class:`~.trainer.TrainerActor` (TSP-packed training, optimizer steps, publication).
 * :mod:`.reward`: :class:`~.reward.RewardActor` (decode and score on a device of its own).
 * :mod:`.weights`: versioned, bucketed weight publication.
+* :mod:`.stop`: the orderly stop on SIGINT and SIGTERM (the coordinator's and the colocated loop's).
 
 Role actors hold no schedule logic: they run the tokens they are handed and report measured spans.
 Nothing is imported here, so a process that hosts one role imports only that role's modules.

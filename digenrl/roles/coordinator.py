@@ -10,6 +10,9 @@ State machine (one instance per run)::
              └─ other error → stop the run (cancel what runs, re-raise)
     optim:   a batch whose samples were mostly scored with the reward penalty (FailureBudget) stops the
              run before its optimizer step: RunStopped, the last checkpoint intact
+    signal:  SIGINT (digenrl.roles.stop) stops the loop at its next turn: RunInterrupted, the running tokens
+             cancelled; SIGTERM first lets the next OPTIM write a checkpoint (due or not), then the same,
+             unless log.term_grace runs out before that step
     join:    admit(name, ref) of a rollout actor spawned mid-run: under the weights lock (publications
              and admissions take turns, so a newcomer misses no version) the lead trainer hands it the
              newest published versions (two: staleness 1), it checks it holds them, and only then the
@@ -33,8 +36,10 @@ carry fragment geometry, sources and advantages; latents go actor to actor.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import logging
+import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -51,6 +56,7 @@ from digenrl.policy import trained_steps
 from digenrl.rewards.failures import FailureBudget, RewardFailing
 from digenrl.rl.advantages import GroupAssembler
 from digenrl.rl.loss import reduce_stats
+from digenrl.roles.stop import RunInterrupted, StopRequest
 from digenrl.schedule import make_schedule
 from digenrl.schedule.base import (CostEstimate, Device, DeviceDied, DeviceJoined, Role, Schedule, Token, TokenDone,
                                    TokenKind, Workload)
@@ -126,6 +132,7 @@ class Coordinator:
             lead trainer only and every TRAIN, OPTIM and PUBLISH token runs on the whole group (the
             others, ``followers``, enter the same collectives); TAG is off (a forward is a collective).
         on_admit: called with the record of each rollout actor admitted mid-run (see :meth:`admit`).
+        stop: what SIGINT and SIGTERM ask of the run (:class:`~digenrl.roles.stop.StopRequest`; ``None``: nothing).
     """
 
     def __init__(self, cfg: Config, schedule_name: str, devices: list[Device], refs: dict[str, Any],
@@ -136,8 +143,11 @@ class Coordinator:
                  checkpoint_every: int = 1, on_step: Callable[[dict[str, Any]], None] | None = None,
                  on_images: Callable[[int, torch.Tensor], None] | None = None,
                  on_dispatch: Callable[[str, dict[str, Any]], Any] | None = None, t0: float | None = None,
-                 shard: str = "none", on_admit: Callable[[dict[str, Any]], None] | None = None) -> None:
+                 shard: str = "none", on_admit: Callable[[dict[str, Any]], None] | None = None,
+                 stop: StopRequest | None = None) -> None:
         self.cfg = cfg
+        self.stop = stop
+        self._boundary = False  # a step ended after a SIGTERM, with its checkpoint: the run may stop there
         self.devices = list(devices)
         self.refs = refs
         self.prompts = prompts
@@ -215,9 +225,14 @@ class Coordinator:
 
         Raises:
             RunStopped: a trainer died or the schedule failed (the message says how to resume).
+            RunInterrupted: a signal stopped it (``step``: the steps done, resumed ones included).
             StalenessViolation: an invariant broke (a row trained twice, a version mismatch).
             RemoteError: an actor's endpoint raised.
         """
+        with self.stop.polled() if self.stop is not None else contextlib.nullcontext():
+            return await self._run()
+
+    async def _run(self) -> list[dict[str, Any]]:
         try:
             if getattr(getattr(self.schedule, "opt", None), "previous_version", False):
                 await self._publish(self.base - 1)  # a stale resume: the next batch was started with it
@@ -225,6 +240,7 @@ class Coordinator:
             self._started.set()
             self._launch(self.schedule.start())
             while not self.schedule.done:
+                self._check_stop()
                 if self.schedule.failed:
                     raise RunStopped(f"schedule failed: {self.schedule.failed}")
                 if not self._tasks and not self._admissions:
@@ -249,6 +265,14 @@ class Coordinator:
             self._tasks.clear()
             self._admissions.clear()
         return self.history
+
+    def _check_stop(self) -> None:
+        """Stop on a signal: at once (SIGINT, SIGTERM's grace spent), or at the step boundary SIGTERM waits for."""
+        s = self.stop
+        if s is not None and s.signum is not None and (s.now or self._boundary):
+            log.debug("[shutdown] Coordinator: step=interrupted signal=%s version=%d", signal.Signals(s.signum).name,
+                     self.version)
+            raise RunInterrupted(s.signum, len(self.history))
 
     def admit(self, name: str, ref: Any) -> asyncio.Future[dict[str, Any]]:
         """Add the rollout actor ``name`` (spawned and connected to its peers by the caller) to the running run.
@@ -420,8 +444,9 @@ class Coordinator:
             except RewardFailing as exc:
                 raise RunStopped(f"{exc}. The last checkpoint is intact: once the reward answers, resume with "
                                  "--resume <run dir>") from exc
+        terminating = self.stop is not None and self.stop.checkpoint_due  # SIGTERM: this step is the boundary
         due = self.checkpoint is not None and self.checkpoint_every and (
-            (batch + 1) % self.checkpoint_every == 0 or batch + 1 == self.cfg.train.iterations)
+            (batch + 1) % self.checkpoint_every == 0 or batch + 1 == self.cfg.train.iterations or terminating)
         # A stale run's checkpoint also holds the weights before this step: the next batch uses them
         # (kept by the lead; under FSDP by every member, each its shards, gathered when written).
         keep = [bool(due and self.staleness and (n == group[0] or self.followers)) for n in group]
@@ -438,6 +463,10 @@ class Coordinator:
             await self.checkpoint(batch + 1, self.state(batch + 1))
         if self.on_step is not None:
             self.on_step(metrics)
+        # A SIGTERM seen before this step's checkpoint was decided: the run stops here (with no checkpoints
+        # configured, at the first step after it).
+        self._boundary = self._boundary or (terminating and bool(due or not self.checkpoint_every
+                                                                 or self.checkpoint is None))
         return results[0]
 
     # -- completion ----------------------------------------------------------------------------

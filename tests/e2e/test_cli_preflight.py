@@ -151,7 +151,7 @@ def test_resume_from_a_path_without_a_checkpoint_is_refused(schedule: str, tmp_p
     result = CliRunner().invoke(app, ["run", "configs/tiny-qwenimage.toml", "--set", f"schedule.name={schedule}",
                                       "--resume", str(missing)])
     assert result.exit_code == 2, result.output
-    assert f"config error: --resume '{missing}': no checkpoint there" in " ".join(result.output.split())
+    assert f"config error: --resume '{missing}': no such file or directory" in " ".join(result.output.split())
     assert not missing.exists() and list(tmp_path.iterdir()) == []
 
 

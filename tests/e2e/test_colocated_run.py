@@ -40,8 +40,11 @@ def test_colocated_run_writes_an_actor_runs_outputs_and_live_table(tmp_path: Pat
     summary = json.loads((out / "summary.json").read_text())
     assert summary["samples_scored"] == 2 * 4 and summary["max_staleness"] == 0
     assert summary["peak_memory"]["colocated"]["device"] == "cpu" and summary["peak_memory"]["colocated"]["rss"] > 1e8
-    for column in ("samples/s", "staleness", "parity ratio", "max |Δlogp|", "bubble"):
-        assert column in res.output, column  # the actor runs' live table
+    # Not a terminal: a plain line per step, as the actor runs print (their live table on a terminal)
+    for line in ("step 1/2 reward ", "step 2/2 reward "):
+        assert line in res.output, res.output
+    for column in ("samples/s", "staleness", "parity 1.000000", "max |dlogp|", "bubbles overall"):
+        assert column in res.output, column
 
 
 def test_colocated_resume_logs_the_metrics_of_an_uninterrupted_run(tmp_path: Path) -> None:
@@ -58,15 +61,20 @@ def test_colocated_resume_logs_the_metrics_of_an_uninterrupted_run(tmp_path: Pat
 
 
 def test_a_resumed_run_shows_every_step_in_its_table(tmp_path: Path) -> None:
-    """The live table of a resumed run lists the steps done before it (and a finished run's, its steps)."""
+    """The live table of a resumed run lists the steps done before it (and a finished run's, its steps); outside a
+    terminal (here) its lines start where it does, and a finished run prints its steps' lines."""
     from digenrl_cli.main import app
+    from digenrl.telemetry.live import LiveDisplay
 
     base = ["run", str(TINY), *(a for kv in SMALL for a in ("--set", kv)), "--set", "log.image_every=0"]
     assert CliRunner().invoke(app, [*base, "--out", str(tmp_path), "--set", "train.iterations=1"]).exit_code == 0
     res = CliRunner().invoke(app, [*base, "--resume", str(tmp_path), "--set", "train.iterations=2"])
     assert res.exit_code == 0, res.output
-    assert "(2/2 steps)" in res.output and f"outputs in {tmp_path}" in res.output.replace("\n", "")
-    rows = [line.split("│")[1].strip() for line in res.output.splitlines() if line.startswith("│")]
-    assert rows == ["0", "1"]
+    assert f"resuming {tmp_path}; outputs in {tmp_path}" in res.output.replace("\n", "")
+    assert [line.split()[1] for line in res.output.splitlines() if line.startswith("step ")] == ["2/2"]
     again = CliRunner().invoke(app, [*base, "--resume", str(tmp_path), "--set", "train.iterations=2"])
-    assert [line.split("│")[1].strip() for line in again.output.splitlines() if line.startswith("│")] == ["0", "1"]
+    assert [line.split()[1] for line in again.output.splitlines() if line.startswith("step ")] == ["1/2", "2/2"]
+    history = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    table = LiveDisplay(3, "resumed", history[:1], interactive=True)
+    table.update(history[1])
+    assert [str(c) for c in table._render().columns[0].cells] == ["0", "1"]
