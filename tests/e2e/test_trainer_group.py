@@ -80,7 +80,10 @@ async def test_two_lora_trainers_make_the_update_of_one(tmp_path: Path) -> None:
     assert h1[0]["reward_mean"] == h2[0]["reward_mean"]  # the same samples
     assert h2[0]["rows_trained"] == h1[0]["rows_trained"] > 0
     assert h2[0]["grad_norm"] == pytest.approx(h1[0]["grad_norm"], rel=1e-4)
-    _assert_same_update(one, two, _initial())
+    # which trainer trains which token depends on timing, so the gradient's sums round differently run to run, and
+    # Adam's first step (~lr sign(g)) turns that into up to a few 1e-6 on weights whose gradient nearly cancels
+    # (seen once in CI on a loaded machine): 1e-5 is 1% of the 1e-3 move
+    _assert_same_update(one, two, _initial(), atol=1e-5)
 
 
 @pytest.mark.slow
