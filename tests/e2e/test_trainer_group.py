@@ -234,7 +234,8 @@ def _old(out: Path) -> dict[str, torch.Tensor]:
     return load_file(str(find_checkpoint(out) / "old.safetensors"))
 
 
-@pytest.mark.parametrize("finetune", [pytest.param("lora", marks=pytest.mark.slow), "full"])
+@pytest.mark.slow  # (~30-55 s: two runs of two to three processes; the FSDP wan22 test keeps the sharded path fast)
+@pytest.mark.parametrize("finetune", ["lora", "full"])
 async def test_two_nft_trainers_make_the_update_and_the_old_policy_of_one(tmp_path: Path, finetune: str) -> None:
     """DiffusionNFT over a trainer group (ddp for LoRA, FSDP2 for full fine-tuning: the old policy is a sharded
     copy there): each member's old policy follows the same reduced update, so the weights and the gathered old

@@ -129,6 +129,7 @@ def test_plan_prints_the_slow_copy_and_the_bytes_per_sample() -> None:
     assert "slow copy" in res.output and "rollout -> trainer: 1.946 MB per sample" in res.output
 
 
+@pytest.mark.slow  # (a fleet search: 16-50 s here; bench bubbles' NFT rows run in tests/sim)
 def test_plan_fleet_splits_the_mixed_fleet(tmp_path: Path) -> None:
     """`digenrl plan configs/sd3_nft.toml --fleet 8xH800+16xL40S` (16 s here, 50 s with the cores shared)."""
     import json
