@@ -41,7 +41,6 @@ from digenrl.models.lora import (load_trainable, load_trainable_state_dict, trai
 from digenrl.policy import build_model, prepare_for_training
 from digenrl.rl.loss import Sums, host_sums
 from digenrl.rl.lr import set_lr
-from digenrl.rl.rollout import TransitionBatch
 from digenrl.roles.fragments import FragmentData, FragmentEngine, probe_velocity
 from digenrl.roles.rollout import GenerationMixin, limit_threads, reward_builder
 from digenrl.roles.trainer_group import (TrainerGroup, all_reduce_buckets, gathered_state_dict, group_backend,
