@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from digenrl_cli import bench, doctor, keys, plan, run, worker
+from digenrl_cli import bench, doctor, keys, plan, reference, run, worker
 
 app = typer.Typer(
     name="digenrl",
@@ -36,6 +36,7 @@ plan.register(app)
 worker.register(app)
 keys.register(app)
 doctor.register(app)
+reference.register(app)
 
 if __name__ == "__main__":
     app()
