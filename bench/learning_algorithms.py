@@ -81,9 +81,20 @@ SETTINGS: dict[str, list[str]] = {
     "flow_grpo": [],
     "nft": ["train.algorithm=nft", "train.lr=3e-4", "nft.kl_beta=0.1"],
     "awm": ["train.algorithm=awm", "rollout.num_steps=6", "awm.levels=2", "awm.kl_beta=0.03"],
+    "grpo_guard": ["train.algorithm=grpo_guard"],
+    # MixGRPO: a 2-step SDE window on a 6-step grid, moving every 10 optimizer steps (starts 0..3); Flash: the
+    # steps after the window as one DPM-Solver step
+    "mixgrpo": ["train.algorithm=mixgrpo", "rollout.num_steps=6", "mixgrpo.window=2", "mixgrpo.shift_every=10"],
+    "mixgrpo_flash": ["train.algorithm=mixgrpo", "rollout.num_steps=6", "mixgrpo.window=2", "mixgrpo.shift_every=10",
+                      "mixgrpo.flash=true"],
+    # the user's algorithm of examples/ (docs/algorithms.md, "Adding an algorithm")
+    "reward_weighted": ['train.algorithm="examples/algorithms/reward_weighted.py:RewardWeighted"'],
 }
-LABELS = {"flow_grpo": "Flow-GRPO", "nft": "DiffusionNFT", "awm": "AWM"}
-COLORS = {"flow_grpo": "tab:blue", "nft": "tab:orange", "awm": "tab:green"}
+LABELS = {"flow_grpo": "Flow-GRPO", "nft": "DiffusionNFT", "awm": "AWM", "grpo_guard": "GRPO-Guard", "mixgrpo": "MixGRPO",
+          "mixgrpo_flash": "MixGRPO-Flash",
+          "reward_weighted": "reward-weighted FM (examples/)"}
+COLORS = {"flow_grpo": "tab:blue", "nft": "tab:orange", "awm": "tab:green", "grpo_guard": "tab:red", "mixgrpo": "tab:brown", "mixgrpo_flash": "tab:olive",
+          "reward_weighted": "tab:purple"}
 
 
 def run_timed(args: argparse.Namespace, algorithm: str, control: str, seed: int,
@@ -107,7 +118,7 @@ def run_timed(args: argparse.Namespace, algorithm: str, control: str, seed: int,
     torch.manual_seed(cfg.log.seed)  # as recipes.colocated.train
     state = setup(cfg)
     # the judge's steps are the config's own, whatever an algorithm's rollout.num_steps
-    steps = load_config(args.config, [f"train.algorithm={algorithm}"]).rollout.num_steps
+    steps = load_config(args.config, SETTINGS[algorithm][:1]).rollout.num_steps
 
     def evaluate() -> float:
         images, prompts = fixed_evaluation(state.model, state.prompts, steps, args.eval_noises)

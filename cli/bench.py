@@ -131,10 +131,14 @@ def _print_report(console: Console, report: Any, batches: int) -> None:
     from rich.table import Table
 
     table = Table(title=f"digenrl bench bubbles ({batches} batches, steady window: warm-up batch excluded)")
+    # Names are never cut (rich shrinks the widest columns first at 150 columns): they and the one-word
+    # "samples/s" keep their width; the two-word headers wrap instead.
+    whole = {"scenario": max([len(r["scenario"]) for r in report.rows] + [8]),
+             "schedule": max([len(r["schedule"]) for r in report.rows] + [8]), "samples/s": 9}
     for col in ("scenario", "split R/T", "schedule", "samples/s", "speedup", "bound", "bubble roll", "bubble train",
                 "bubble all", "stale", "sync %", "switch %", "aborted %"):
         table.add_column(col, justify="right" if col not in ("scenario", "schedule") else "left",
-                         no_wrap=col == "schedule")
+                         no_wrap=col in whole, min_width=whole.get(col))
     for r in report.rows:
         split = r["split"]
         split_s = f"{split['hybrid']}H" if split["hybrid"] else f"{split['rollout']}/{split['trainer']}"
@@ -202,8 +206,9 @@ def _decomposition_table(decomposition: dict) -> object:
 
     table = Table(title="where async1's gain comes from (each factor: samples/s over the previous link's; "
                         "they multiply to the total)")
-    for col in ("scenario", "baseline", "async1 / baseline", "causes, in order"):
-        table.add_column(col, justify="right" if col == "async1 / baseline" else "left")
+    for col in ("scenario", "baseline", "async1 / baseline", "causes, in order"):  # the causes wrap, names never
+        table.add_column(col, justify="right" if col == "async1 / baseline" else "left",
+                         no_wrap=col in ("scenario", "baseline"))
     for name, chains in decomposition.items():
         for baseline, chain in chains.items():
             causes = "; ".join(f"{link['cause']} {link['factor']:.2f}x" for link in chain["links"][1:])

@@ -96,6 +96,11 @@ def plan(
         typer.secho(f"config error: {exc}", fg=typer.colors.RED, err=True)
         raise typer.Exit(2) from exc
     typer.echo(format_plan(result))
+    from digenrl.plan.window import config_window_note
+
+    moving = config_window_note(cfg)  # a moving window: the split it wants at its ends
+    if moving:
+        typer.echo(moving)
     if json_out is not None:
         json_out.parent.mkdir(parents=True, exist_ok=True)
         json_out.write_text(json.dumps(result.to_json(), indent=2))

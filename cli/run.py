@@ -67,7 +67,8 @@ def run(
     one line on stdout. Ctrl-C (SIGINT) stops at once, SIGTERM (scancel, a preemption) after the
     step under way and a checkpoint of it (log.term_grace seconds at most); both write the run's
     summary, trace and Gantt, print how to resume, and exit 130 and 143."""
-    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO,  # the timestamp: as the workers' lines
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     extra = [f"cluster.launcher={launcher}"] if launcher is not None else []
     if ray_address is not None:
         extra += ["cluster.launcher=ray", f"cluster.address='{ray_address}'"] if launcher is None else \
@@ -228,8 +229,9 @@ def _run_recipe(cfg: Config, out_dir: Path, resume: Path | None, console: Consol
     except (RunStopped, ConfigError, RewardError) as exc:  # RewardError: a failing reward, or a spent budget
         print_error(console, exc)
         raise typer.Exit(1) from exc
-    except RemoteError as exc:  # a reward that failed inside an actor (reward.on_error = "raise"): its line
-        if exc.exc_type.rsplit(".", 1)[-1] not in _REWARD_ERRORS:
+    except RemoteError as exc:  # a reward that failed inside an actor (reward.on_error = "raise"), or a group
+        # across hosts that did not form (TransportBroken names the addresses): its line
+        if exc.exc_type.rsplit(".", 1)[-1] not in (*_REWARD_ERRORS, "TransportBroken"):
             raise
         print_error(console, exc.message, exc.exc_type.rsplit(".", 1)[-1])
         raise typer.Exit(1) from exc
@@ -270,6 +272,10 @@ def validate(
                f"{cfg.train.algorithm}){left}")
     for item in found.left:
         typer.echo(f"  left: {item}")
+    for note in found.notes:
+        typer.echo(f"  {note}")
+    for warning in found.warnings:
+        typer.secho(f"  warning: {warning}", fg=typer.colors.YELLOW)
 
 
 def register(app: typer.Typer) -> None:

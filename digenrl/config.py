@@ -18,6 +18,7 @@ errors, so a typo never silently falls back to a default.
 from __future__ import annotations
 
 import dataclasses
+import re
 import tomllib
 import types
 import typing
@@ -25,8 +26,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from digenrl import usercode
 from digenrl.errors import ConfigError
 from digenrl.schedule.options import PRESETS, SCHEDULES, SIZE_KEYS
+from digenrl.sim.window import SlidingWindow
 
 __all__ = [
     "check_runnable",
@@ -35,7 +38,10 @@ __all__ = [
     "TrainConfig",
     "NftConfig",
     "AwmConfig",
+    "GuardConfig",
+    "MixGrpoConfig",
     "ALGORITHMS",
+    "is_user_algorithm",
     "RewardConfig",
     "DataConfig",
     "ScheduleConfig",
@@ -96,19 +102,20 @@ COMPILE_MODES = ("", "default", "reduce-overhead", "max-autotune")  # model.comp
 class ModelConfig:
     """``[model]``: which generator, how it is trained (LoRA or full), precision."""
 
-    name: str = "qwenimage"
+    name: str = "qwenimage"  # the model family (digenrl/models/registry.py)
+    # tiny / tiny4x / small: CPU-size presets; pretrained: model.path; full / random: the real architecture
     preset: str = "tiny"
     path: str = ""  # local diffusers directory for preset = "pretrained"
-    resolution: list[int] = field(default_factory=lambda: [64, 64])
-    num_frames: int = 1
-    guidance_scale: float = 1.0
+    resolution: list[int] = field(default_factory=lambda: [64, 64])  # [height, width] of the generated images (pixels)
+    num_frames: int = 1  # video models: frames per sample (1 for images)
+    guidance_scale: float = 1.0  # classifier-free guidance scale; 1 = no CFG pass
     text_len: int = 0  # prompt tokens kept in the conditioning; 0 = the model's default
-    dtype: str = "float32"
-    device: str = "cpu"
-    seed: int = 0
-    finetune: str = "lora"
-    lora_rank: int = 8
-    lora_alpha: float = 16.0
+    dtype: str = "float32"  # the generator's weights and activations
+    device: str = "cpu"  # "cpu", "cuda" or "cuda:K": where each actor runs its model
+    seed: int = 0  # seed of the random presets' weights
+    finetune: str = "lora"  # "lora" (adapters on lora_targets) or "full" (every transformer weight)
+    lora_rank: int = 8  # LoRA rank r
+    lora_alpha: float = 16.0  # LoRA scale alpha (the update is alpha / r x BA)
     lora_targets: list[str] = field(default_factory=list)  # module-name suffixes; empty = the model's default
     # "signal": re-draw a random preset's VAE decoder convs (He init) so pixels depend on the latent;
     # see digenrl/models/_toy.py. Never applies to pretrained weights.
@@ -137,8 +144,8 @@ class ModelConfig:
     # scale (0 = guidance_scale), which experts train ("both" | "high" | "low"; the others stay frozen) and
     # whether the idle expert's frozen weights wait in host memory (one 14B expert on the GPU at a time).
     guidance_scale_2: float = 0.0
-    train_experts: str = "both"
-    expert_offload: bool = False
+    train_experts: str = "both"  # Wan2.2 A14B: the experts that train; the others stay frozen
+    expert_offload: bool = False  # Wan2.2 A14B: the idle expert's frozen weights wait in host memory
     # Qwen-Image-Edit: pixels of each conditioning image on the VAE side (models/qwenimage_edit.py); 0 = the
     # pipelines' 1024² whatever the output size (the tiny presets: the output's area).
     image_area: int = 0
@@ -205,17 +212,18 @@ class ModelConfig:
 class RolloutConfig:
     """``[rollout]``: the SDE sampler and which steps are stochastic / trained."""
 
-    num_steps: int = 8
-    noise_level: float = 0.7
-    sde: str = "sde"
+    num_steps: int = 8  # denoising steps per sample
+    noise_level: float = 0.7  # Flow-GRPO's SDE noise scale a (the stochastic steps' std)
+    sde: str = "sde"  # "sde" (Flow-GRPO), "wan", "dance" (DanceGRPO), "cps" (coefficients-preserving): rl/sde.py
+    # which steps are stochastic and trained: all but the last, a "window" of steps, or a random "fraction"
     steps: str = "all_but_last"
-    window: int = 2
+    window: int = 2  # rollout.steps = "window": SDE steps per sample (Flow-GRPO-Fast), ODE elsewhere
     # ``[lo, hi]``: the window starts at a step drawn from lo..hi (per group); empty = 0..N-1-window.
     # ``[0, 0]`` always trains the first, noisiest steps, where an image's layout and colours are decided.
     window_range: list[int] = field(default_factory=list)
-    fraction: float = 0.6
-    group_size: int = 4
-    prompts_per_batch: int = 8
+    fraction: float = 0.6  # rollout.steps = "fraction": the share of steps trained (DanceGRPO timestep_fraction)
+    group_size: int = 4  # samples per prompt (G); advantages are relative within a group
+    prompts_per_batch: int = 8  # prompts per batch; a batch is prompts_per_batch x group_size samples
     # Members of a group share x_0 (DanceGRPO's init_same_noise; ALGORITHM (e).13): reward differences
     # inside a group then come only from the transition noise the policy gradient credits.
     same_init_noise: bool = False
@@ -267,18 +275,18 @@ class TrainConfig:
     # transitions), "nft" (DiffusionNFT) or "awm" (Advantage Weighted Matching): forward-process methods whose
     # rollout ships only clean samples; their own keys are in [nft] / [awm].
     algorithm: str = "flow_grpo"
-    iterations: int = 30
-    lr: float = 3e-4
+    iterations: int = 30  # optimizer steps of the run (one batch each)
+    lr: float = 3e-4  # AdamW learning rate
     lr_warmup: int = 0  # optimizer steps over which the rate rises linearly to lr (rl/lr.py); 0 = none
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
-    weight_decay: float = 1e-4
-    eps: float = 1e-8
-    max_grad_norm: float = 1.0
-    clip_range: float = 1e-4
-    kl_beta: float = 0.0
-    kl: str = "exact"
-    adv_std: str = "global"
-    adv_clip: float = 5.0
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])  # AdamW betas
+    weight_decay: float = 1e-4  # AdamW weight decay
+    eps: float = 1e-8  # AdamW epsilon
+    max_grad_norm: float = 1.0  # gradient clipping by global norm
+    clip_range: float = 1e-4  # PPO clip of the ratio exp(l - l_old) (Flow-GRPO)
+    kl_beta: float = 0.0  # weight of the KL to the reference (the model without adapters); 0 = none
+    kl: str = "exact"  # "exact" (KL of the two Gaussian transitions) or "g2" (Flow-GRPO's SD3/FLUX form): rl/loss.py
+    adv_std: str = "global"  # advantages divided by the batch's reward std (global, Flow-GRPO) or each group's
+    adv_clip: float = 5.0  # advantages clipped to [-adv_clip, adv_clip]
     rows_per_pass: int = 0  # 0 = all trained transitions of the batch in one TSP pass
     control: str = "none"  # "shuffled": advantages permuted across samples (negative control)
     # Rollout/trainer parity (metrics parity_*): warn when max |ratio - 1| or max |dlog-prob| exceeds it.
@@ -293,7 +301,11 @@ class TrainConfig:
     group_timeout: float = 600.0  # seconds a trainer-group collective (or the rendezvous) waits for a peer
 
     def __post_init__(self) -> None:
-        _choice("train.algorithm", self.algorithm, ALGORITHMS)
+        if not is_user_algorithm(self.algorithm):
+            _choice("train.algorithm", self.algorithm, ALGORITHMS)
+        elif not _USER_ALGORITHM.fullmatch(self.algorithm):
+            raise ConfigError(f"train.algorithm: {self.algorithm!r} must be one of {', '.join(map(repr, ALGORITHMS))} "
+                              "or your own, 'path/to/file.py:ClassName' (docs/algorithms.md)")
         _check("train.iterations", self.iterations >= 1, ">= 1", self.iterations)
         _check("train.lr", self.lr > 0, "> 0", self.lr)
         _check("train.lr_warmup", self.lr_warmup >= 0, ">= 0", self.lr_warmup)
@@ -312,7 +324,28 @@ class TrainConfig:
         _check("train.group_timeout", self.group_timeout > 0, "> 0", self.group_timeout)
 
 
-ALGORITHMS = ("flow_grpo", "nft", "awm")
+ALGORITHMS = ("flow_grpo", "nft", "awm", "grpo_guard", "mixgrpo")
+# A user's algorithm (digenrl/algorithms/user.py): a Python file and the Algorithm subclass in it.
+_USER_ALGORITHM = re.compile(r".+\.py:[A-Za-z_][A-Za-z0-9_]*")
+
+
+def is_user_algorithm(name: str) -> bool:
+    """``train.algorithm`` names a user's file (``path/to/file.py:ClassName``) rather than a built-in."""
+    return ":" in name
+
+
+@dataclass(frozen=True)
+class GuardConfig:
+    """``[guard]``: GRPO-Guard (train.algorithm = "grpo_guard"; ALGORITHMS-FORWARD §8, digenrl/rl/guard.py).
+
+    Flow-GRPO's SDE, transitions, KL keys and advantages; the ratio normalised by each step's std, the policy
+    loss divided by ``dt``, and this clip of the normalised ratio in place of ``train.clip_range``.
+    """
+
+    clip_range: float = 2e-6  # clip of the normalised ratio (the reference's)
+
+    def __post_init__(self) -> None:
+        _check("guard.clip_range", self.clip_range > 0, "> 0", self.clip_range)
 
 
 @dataclass(frozen=True)
@@ -327,10 +360,10 @@ class NftConfig:
     step, 0.5), 2: 0 until step 75, then min(0.0075 (step - 75), 0.999)).
     """
 
-    beta: float = 1.0
-    kl_beta: float = 1e-4
-    levels: int = 0
-    decay: int = 1
+    beta: float = 1.0  # the implicit velocities' mixing beta
+    kl_beta: float = 1e-4  # weight of the KL to the reference
+    levels: int = 0  # noise levels trained per sample; 0 = floor(0.99 rollout.num_steps)
+    decay: int = 1  # the old policy's schedule: 0 copy, 1 min(0.001 step, 0.5), 2 delayed (see above)
 
     def __post_init__(self) -> None:
         _check("nft.beta", self.beta > 0, "> 0", self.beta)
@@ -351,15 +384,15 @@ class AwmConfig:
     optimizer step by ``d = min(ema_decay, 0.001 step)`` (``ema_decay_type = "linear"``) or ``ema_decay``.
     """
 
-    levels: int = 6
-    level_fraction: float = 0.9
-    power: float = 0.25
-    clip_range: float = 1.0
-    adv_max: float = 1.0
-    kl_beta: float = 1e-3
-    ema_beta: float = 1.0
-    ema_decay: float = 0.3
-    ema_decay_type: str = "linear"
+    levels: int = 6  # noise levels trained per sample, one per stratum
+    level_fraction: float = 0.9  # the strata cover grid indices 1..floor(level_fraction num_steps)
+    power: float = 0.25  # p of the log-prob surrogate
+    clip_range: float = 1.0  # PPO clip of the ratio
+    adv_max: float = 1.0  # advantages scaled to [-adv_max, adv_max]
+    kl_beta: float = 1e-3  # weight of the KL to the reference
+    ema_beta: float = 1.0  # weight of the KL to the EMA policy
+    ema_decay: float = 0.3  # the EMA policy's decay cap
+    ema_decay_type: str = "linear"  # "linear": min(ema_decay, 0.001 step); "constant": ema_decay
 
     def __post_init__(self) -> None:
         _check("awm.levels", self.levels >= 1, ">= 1", self.levels)
@@ -374,6 +407,34 @@ class AwmConfig:
 
 
 @dataclass(frozen=True)
+class MixGrpoConfig:
+    """``[mixgrpo]``: MixGRPO's sliding SDE window (train.algorithm = "mixgrpo"; ALGORITHMS-FORWARD §2).
+
+    The SDE (``rollout.sde``, ``rollout.noise_level``) runs in a window of ``window`` steps, Euler ODE elsewhere, and
+    only the window's transitions are trained (Flow-GRPO's clipped loss). The window starts at step 0 and moves one
+    step every ``shift_every`` optimizer steps up to ``num_steps - 2 - window``, then back to 0 (0: it stays at 0,
+    MixGRPO-Flash*); the version that samples a fragment decides its window (``digenrl/sim/window.py``).
+    ``flash``: the ODE steps after the window run DPM-Solver++ (2nd order) on ``flash_ratio`` as many steps
+    (``digenrl/rl/flash.py``), which the trainer never sees.
+    """
+
+    window: int = 0  # W: SDE (and trained) steps per sample; 0 = the reference's 4, at most rollout.num_steps - 2
+    shift_every: int = 25  # optimizer steps between moves of the window (the reference's iters_per_group; 0: fixed at 0)
+    flash: bool = False  # MixGRPO-Flash: a compressed second-order ODE after the window
+    flash_ratio: float = 0.4  # the share of the post-window steps Flash keeps (0.4 Flash, 0.2 Flash*)
+
+    def __post_init__(self) -> None:
+        _check("mixgrpo.window", self.window >= 0, ">= 0 (0: min(4, rollout.num_steps - 2))", self.window)
+        _check("mixgrpo.shift_every", self.shift_every >= 0, ">= 0 (0: the window stays at step 0)", self.shift_every)
+        _check("mixgrpo.flash_ratio", 0 < self.flash_ratio <= 1, "in (0, 1]", self.flash_ratio)
+
+    def sliding(self, num_steps: int) -> SlidingWindow:
+        """The window's arithmetic on a grid of ``num_steps`` steps."""
+        window = self.window or max(1, min(4, num_steps - 2))
+        return SlidingWindow(num_steps, window, self.shift_every, self.flash_ratio if self.flash else None)
+
+
+@dataclass(frozen=True)
 class RewardConfig:
     """``[reward]``: weighted rewards, the learned rewards' model files, device and dtype, and the failure policy.
 
@@ -384,23 +445,25 @@ class RewardConfig:
     bf16 on CUDA, fp32 on the CPU).
     """
 
+    # reward name = weight; several are summed (see normalize)
     weights: dict[str, float] = field(default_factory=lambda: {"color": 1.0})
+    # [reward.models.<name>]: a reward's own table (its weight files: path, ...)
     models: dict[str, dict[str, Any]] = field(default_factory=dict)
-    device: str = ""
-    dtype: str = ""
-    url: str = ""
-    timeout: float = 30.0
-    retries: int = 2
-    image_format: str = "png"
+    device: str = ""  # "" = the actor's model.device
+    dtype: str = ""  # "" = bf16 on CUDA, fp32 on the CPU
+    url: str = ""  # the 'remote' reward's HTTP endpoint (python -m digenrl.rewards.server)
+    timeout: float = 30.0  # seconds per remote call
+    retries: int = 2  # remote calls retried this many times before a failure
+    image_format: str = "png"  # remote: images sent as PNG or as exact raw uint8 arrays
     # The 'remote' reward also sends each sample's input images: for a served edit reward (uses_sources),
     # whose server refuses requests without them.
     remote_sources: bool = False
-    on_error: str = "raise"
-    penalty: float = -1.0
+    on_error: str = "raise"  # "raise" stops the run at a failed reward; "penalty" scores its samples with penalty
+    penalty: float = -1.0  # the score of a failed sample (on_error = "penalty")
     # on_error = "penalty" stops the run once more than this share of the samples of the last
     # failure_window batches were penalised (rewards/failures.py): penalties are for the occasional failure.
     max_failure_fraction: float = 0.5
-    failure_window: int = 4
+    failure_window: int = 4  # batches over which max_failure_fraction is measured
     # Several rewards: "sum" normalises the weighted sum per group; "per_reward" normalises each reward per
     # group, then weights and sums the advantages (rl/advantages.py; a failed sample scores the penalty in each).
     normalize: str = "sum"
@@ -409,10 +472,14 @@ class RewardConfig:
         import re
 
         from digenrl.rewards.registry import REWARD_NAMES, check_models
+        from digenrl.rewards.user import is_user_table
 
         _check("reward.weights", bool(self.weights), "a non-empty table of name = weight", self.weights)
         for name, w in self.weights.items():
-            _choice(f"reward.weights.{name}", name, REWARD_NAMES)
+            if name not in REWARD_NAMES and not is_user_table(self.models.get(name)):  # a user's own: its table says
+                raise ConfigError(f"reward.weights.{name}: {name!r} is not allowed; allowed: "
+                                  f"{', '.join(map(repr, REWARD_NAMES))}, or a reward of your own in Python: "
+                                  f"[reward.models.{name}] python = \"path/to/file.py:ClassName\" (docs/rewards.md)")
             _check(f"reward.weights.{name}", isinstance(w, int | float), "a number", w)
         check_models(self.weights, self.models)
         _check("reward.device", re.fullmatch(r"(cpu|cuda(:\d+)?)?", self.device) is not None,
@@ -446,8 +513,8 @@ class RewardConfig:
 class DataConfig:
     """``[data]``: the prompts. A built-in set (``prompt_set``) or an explicit list (``prompts``)."""
 
-    prompt_set: str = "color"
-    prompts: list[str] = field(default_factory=list)
+    prompt_set: str = "color"  # a built-in prompt set (digenrl/data/prompts.py)
+    prompts: list[str] = field(default_factory=list)  # an explicit list, used instead of prompt_set
     prompt_file: str = ""  # one prompt per line; a .jsonl: {"prompt": ..., "images": [...]} per line (edit models)
 
     def __post_init__(self) -> None:
@@ -470,14 +537,14 @@ class ScheduleConfig:
     The token sizes override the schedule's ``ScheduleOptions``; 0 (or absent) keeps its default.
     """
 
-    name: str = "colocated"
-    staleness: int = 0
-    fragment_groups: int = 0
-    fragment_members: int = 0
-    step_chunk: int = 0
-    rollout_batch: int = 0
-    train_pack: int = 0
-    tag_steps: int = 0
+    name: str = "colocated"  # colocated: the single-process loop; the others: actor schedules (docs/schedules.md)
+    staleness: int = 0  # 1: batch k is generated with weights k - 1 (async1 sets it)
+    fragment_groups: int = 0  # prompts (whole groups) per rollout fragment
+    fragment_members: int = 0  # members of each prompt's group per fragment (splits along G)
+    step_chunk: int = 0  # denoising steps per ROLLOUT token (TSP)
+    rollout_batch: int = 0  # most samples per ROLLOUT token (step-level batching, TSP)
+    train_pack: int = 0  # rows per TRAIN token
+    tag_steps: int = 0  # denoising steps per trainer-assisted-generation token
 
     def __post_init__(self) -> None:
         _choice("schedule.name", self.name, SCHEDULE_NAMES)
@@ -504,11 +571,11 @@ class PlacementConfig:
     """
 
     threads: int = 2  # colocated only
-    rollout: int = 1
-    trainer: int = 1
-    reward: int = 0
-    actor_threads: int = 1
-    workers: int = 0
+    rollout: int = 1  # rollout actors (processes)
+    trainer: int = 1  # trainer actors; several form one torch.distributed group (train.shard)
+    reward: int = 0  # reward actors; 0 = the rollout actors score
+    actor_threads: int = 1  # torch threads per actor process
+    workers: int = 0  # wait for this many `digenrl worker --join` processes (one per GPU, any host)
     join_timeout: float = 600.0  # seconds to wait for the workers to join
     max_rollout: int = 0  # live rollout actors a running run may grow to by late joins (0: placement.rollout, none)
     gpu: str = "H100"  # the accelerator type each actor gets (the memory plan's headroom; `digenrl plan`)
@@ -520,7 +587,7 @@ class PlacementConfig:
     # What a Ray placement-group bundle of each role asks for beyond its CPUs/GPU (cluster.launcher = "ray"),
     # e.g. { accelerator_type = "L40S" } or a custom resource { l40s_pool = 1 }.
     rollout_resources: dict[str, str | float] = field(default_factory=dict)
-    trainer_resources: dict[str, str | float] = field(default_factory=dict)
+    trainer_resources: dict[str, str | float] = field(default_factory=dict)  # the same for a trainer's bundle
 
     def __post_init__(self) -> None:
         from digenrl.sim.devices import CATALOG
@@ -624,11 +691,11 @@ class TransportConfig:
     then used by every process of the run.
     """
 
-    actors: str = "zmq"
-    weights: str = "zmq"
+    actors: str = "zmq"  # zmq: one process per actor; inproc: all in this process
+    weights: str = "zmq"  # how weights reach the rollout actors (see above)
     bucket_mb: float = 64.0  # weight buckets
-    address: str = ""
-    keys: str = ""
+    address: str = ""  # the driver's bind address; empty = a private ipc path
+    keys: str = ""  # the CURVE keys directory; required off loopback
 
     def __post_init__(self) -> None:
         _choice("transport.actors", self.actors, ("zmq", "inproc"))
@@ -675,9 +742,9 @@ class ClusterConfig:
     ``strategy``: the placement group's strategy.
     """
 
-    launcher: str = "local"
-    address: str = "auto"
-    strategy: str = "PACK"
+    launcher: str = "local"  # local processes or a Ray placement group
+    address: str = "auto"  # the Ray cluster: auto, local, HOST:PORT or ray://HOST:PORT
+    strategy: str = "PACK"  # the Ray placement group's strategy
 
     def __post_init__(self) -> None:
         _choice("cluster.launcher", self.launcher, LAUNCHERS)
@@ -686,13 +753,17 @@ class ClusterConfig:
                "'auto', 'local', HOST:PORT or ray://HOST:PORT", self.address)
 
 
+SAMPLE_GRIDS = ("fixed", "rollout")  # log.samples
+WANDB_MODES = ("auto", "online", "offline")  # log.wandb_mode
+
+
 @dataclass(frozen=True)
 class LogConfig:
     """``[log]``: outputs."""
 
     out: str = ""  # default runs/<timestamp>
     image_every: int = 10  # 0 disables image grids
-    images_per_grid: int = 16
+    images_per_grid: int = 16  # samples in each image grid
     seed: int = 0  # run seed: prompts, noise, step windows
     checkpoint_every: int = 1  # optimizer steps between checkpoints (every schedule); 0 disables them
     keep_checkpoints: int = 2  # the newest ones; the one checkpoints/latest names is never removed
@@ -703,8 +774,22 @@ class LogConfig:
     term_grace: float = 25.0  # below Slurm's default KillWait (30 s)
     trace: bool = True  # trace.json (Chrome/Perfetto spans of every actor)
     gantt: bool = True  # gantt.png
-    tensorboard: bool = False
+    tensorboard: bool = False  # also write TensorBoard event files under DIR/tb (scalars and the sample grids)
     live: bool = False  # a live metrics table on the terminal
+    # What the grids under DIR/samples show (docs/logging.md): "fixed" = a fixed evaluation set, log.images_per_grid
+    # prompts and initial noises drawn once from log.seed, sampled by the deterministic ODE with the trained weights
+    # at versions 0, log.image_every, 2 x log.image_every ... and the last, so step k's tiles compare with step k+n's
+    # (a train.shard = "fsdp" actor run shows "rollout" instead); "rollout" = the step's own training samples.
+    samples: str = "fixed"
+    eval_steps: int = 0  # ODE steps of the fixed evaluation; 0 = rollout.num_steps
+    tile_px: int = 256  # longer side of a grid tile: small images are enlarged (nearest), large ones reduced
+    # Weights & Biases (the optional extra: pip install 'digenrl[wandb]'): metrics, grids and the config, in a run
+    # under DIR/wandb. Offline (sync later with `wandb sync DIR/wandb/offline-run-*`) unless a W&B server is
+    # reachable and this host is logged in (WANDB_API_KEY or `wandb login`); WANDB_MODE, when set, decides.
+    wandb: bool = False
+    wandb_project: str = "digenrl"  # the W&B project the run is logged to
+    wandb_entity: str = ""  # the W&B team or user ("": the login's default)
+    wandb_mode: str = "auto"  # auto | online | offline
 
     def __post_init__(self) -> None:
         _check("log.image_every", self.image_every >= 0, ">= 0", self.image_every)
@@ -712,6 +797,11 @@ class LogConfig:
         _check("log.checkpoint_every", self.checkpoint_every >= 0, ">= 0", self.checkpoint_every)
         _check("log.keep_checkpoints", self.keep_checkpoints >= 1, ">= 1", self.keep_checkpoints)
         _check("log.term_grace", self.term_grace >= 0, ">= 0 (seconds)", self.term_grace)
+        _choice("log.samples", self.samples, SAMPLE_GRIDS)
+        _check("log.eval_steps", self.eval_steps >= 0, ">= 0", self.eval_steps)
+        _check("log.tile_px", self.tile_px >= 16, ">= 16 (pixels)", self.tile_px)
+        _choice("log.wandb_mode", self.wandb_mode, WANDB_MODES)
+        _check("log.wandb_project", bool(self.wandb_project.strip()), "a W&B project name", self.wandb_project)
 
 
 @dataclass(frozen=True)
@@ -722,7 +812,7 @@ class RuntimeConfig:
     installed) or ``asyncio``, for the driver and every actor process.
     """
 
-    event_loop: str = "uvloop"
+    event_loop: str = "uvloop"  # the actor processes' event loop (uvloop where installed)
 
     def __post_init__(self) -> None:
         _choice("runtime.event_loop", self.event_loop, ("uvloop", "asyncio"))
@@ -737,6 +827,8 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     nft: NftConfig = field(default_factory=NftConfig)
     awm: AwmConfig = field(default_factory=AwmConfig)
+    guard: GuardConfig = field(default_factory=GuardConfig)
+    mixgrpo: MixGrpoConfig = field(default_factory=MixGrpoConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     data: DataConfig = field(default_factory=DataConfig)
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
@@ -749,9 +841,13 @@ class Config:
     def __post_init__(self) -> None:
         # Checks across tables (each table checks its own keys first).
         name, place, transport = self.schedule.name, self.placement, self.transport
-        if place.rollout == 0 and name not in ("tag", "async1", "colocated"):
+        if place.rollout == 0 and name not in ("tag", "async1", "colocated", "colocated-tsp"):
             raise ConfigError(f"placement.rollout = 0 needs a schedule with TAG (tag, async1), not {name!r} "
                               f"(schedule.name)")
+        if name == "colocated-tsp" and place.rollout:
+            # every actor of this schedule samples and trains (a hybrid); a rollout actor could do only half
+            raise ConfigError(f"schedule.name = 'colocated-tsp' runs placement.trainer actors that each sample and "
+                              f"train; set placement.rollout = 0 (got {place.rollout})")
         if place.workers and (transport.actors != "zmq" or not transport.address.startswith("tcp://")):
             raise ConfigError("placement.workers > 0 needs transport.actors = 'zmq' and transport.address = "
                               "'tcp://<this host>:<port>' for the workers to join")
@@ -772,8 +868,8 @@ class Config:
             raise ConfigError(f"model.compile = {self.model.compile!r} with train.shard = 'fsdp': compiling sharded "
                               "blocks is not supported yet; use model.compile = '' or train.shard = 'ddp'")
         if shard == "fsdp" and place.rollout == 0:
-            raise ConfigError("placement.rollout = 0 needs trainers that generate (TAG), which train.shard = 'fsdp' "
-                              "turns off; add a rollout actor or use train.shard = 'ddp'")
+            raise ConfigError(f"placement.rollout = 0 needs trainers that generate ({'hybrid actors' if name == 'colocated-tsp' else 'TAG'}), "
+                              "which train.shard = 'fsdp' turns off; add a rollout actor or use train.shard = 'ddp'")
         if self.model.name == "qwenimage_edit" and not self.data.prompts and not self.data.prompt_file.endswith(".jsonl"):
             raise ConfigError("data.prompt_file: model qwenimage_edit edits input images; it needs a .jsonl prompt file, "
                               'one {"prompt": ..., "images": [...]} a line (e.g. examples/edit/prompts.jsonl)')
@@ -783,6 +879,15 @@ class Config:
         if algo == "nft":
             _check("nft.levels", self.nft.levels <= n, f"<= rollout.num_steps = {n} (levels come from its grid)",
                    self.nft.levels)
+        if algo == "grpo_guard":
+            _check("rollout.sde", self.rollout.sde != "cps", "'sde', 'wan' or 'dance' under train.algorithm = "
+                   "'grpo_guard' (its ratio is normalised by a Gaussian step's std; cps has no normalised log-prob)",
+                   self.rollout.sde)
+        if algo == "mixgrpo":
+            _check("rollout.num_steps", n >= 3, ">= 3 under train.algorithm = 'mixgrpo' (its window ends before step "
+                   "N - 2, as the reference's)", n)
+            _check("mixgrpo.window", self.mixgrpo.window <= n - 2, f"<= rollout.num_steps - 2 = {n - 2} (the "
+                   "window's steps end before step N - 2, as the reference's; 0: min(4, that))", self.mixgrpo.window)
         if algo == "awm":
             top = int(n * self.awm.level_fraction)
             _check("awm.level_fraction", top >= 2, f"such that floor(level_fraction x rollout.num_steps = {n}) >= 2 "
@@ -826,7 +931,8 @@ class Config:
     @property
     def trainers_generate(self) -> bool:
         """Whether trainer actors also generate (TAG: ROLLOUT/REWARD tokens), so need the VAE and text encoder."""
-        return self.disaggregated and PRESETS[self.schedule.name].tag and self.shard != "fsdp"
+        preset = PRESETS[self.schedule.name]  # (colocated-tsp: every actor is a hybrid)
+        return self.disaggregated and (preset.tag or preset.colocated) and self.shard != "fsdp"
 
     @property
     def shard(self) -> str:
@@ -977,6 +1083,12 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> Config:
         raise ConfigError(f"{p}: invalid TOML: {exc}") from exc
     cfg = config_from_dict(apply_overrides(data, overrides or []))
     _check_algorithm_keys(cfg.train.algorithm, data, apply_overrides({}, overrides or []), p)
+    # This process's own config: it may import the Python files that config names (digenrl/usercode.py).
+    if is_user_algorithm(cfg.train.algorithm):
+        usercode.allow(cfg.train.algorithm, "train.algorithm", "Algorithm subclass")
+    for name, table in cfg.reward.models.items():
+        if isinstance(table, dict) and "python" in table:
+            usercode.allow(table["python"], f"reward.models.{name}.python", "reward class")
     return cfg
 
 
@@ -986,9 +1098,13 @@ _SDE_KEYS = ("rollout.noise_level", "rollout.sde", "rollout.steps", "rollout.win
              "rollout.fraction", "rollout.window_expert", "rollout.same_init_noise", "train.clip_range",
              "train.kl_beta", "train.kl")
 _MEANINGLESS = {
-    "flow_grpo": ("rollout.solver", "nft", "awm"),
-    "nft": (*_SDE_KEYS, "awm"),
-    "awm": (*_SDE_KEYS, "nft"),
+    "flow_grpo": ("rollout.solver", "nft", "awm", "guard", "mixgrpo"),
+    "nft": (*_SDE_KEYS, "awm", "guard", "mixgrpo"),
+    "awm": (*_SDE_KEYS, "nft", "guard", "mixgrpo"),
+    "grpo_guard": ("rollout.solver", "train.clip_range", "nft", "awm", "mixgrpo"),
+    # its window is [mixgrpo]'s, moved by the trainer, and Flash's tail solver is fixed
+    "mixgrpo": ("rollout.solver", "rollout.steps", "rollout.window", "rollout.window_range", "rollout.fraction",
+                "rollout.window_expert", "nft", "awm", "guard"),
 }
 
 
@@ -1008,8 +1124,9 @@ def _check_algorithm_keys(algorithm: str, file_data: dict[str, Any], overrides: 
     Raises:
         ConfigError: naming the first such key and the algorithm.
     """
-    meaningless = [k for k in _MEANINGLESS[algorithm] if "." in k]
-    tables = [k for k in _MEANINGLESS[algorithm] if "." not in k]
+    known = _MEANINGLESS.get(algorithm, ())  # a user's algorithm reads what it reads
+    meaningless = [k for k in known if "." in k]
+    tables = [k for k in known if "." not in k]
 
     def offending(keys: set[str]) -> list[str]:
         return sorted(k for k in keys if k in meaningless or k in tables)
@@ -1030,7 +1147,12 @@ def _check_algorithm_keys(algorithm: str, file_data: dict[str, Any], overrides: 
 
 def _family(algorithm: str) -> str:
     if algorithm == "flow_grpo":
-        return "Flow-GRPO samples the SDE of [rollout] and has no [nft] / [awm] table"
+        return "Flow-GRPO samples the SDE of [rollout] and has no [nft] / [awm] / [guard] table"
+    if algorithm == "mixgrpo":
+        return ("MixGRPO samples the SDE in [mixgrpo]'s sliding window, Euler (or Flash's DPM-Solver) elsewhere, and "
+                "has no other window, step share or ODE solver")
+    if algorithm == "grpo_guard":
+        return "GRPO-Guard samples Flow-GRPO's SDE and clips its normalised ratio at guard.clip_range"
     return (f"{algorithm} samples a deterministic ODE (rollout.solver) and trains on clean samples: the SDE, its "
             "log-prob ratio and the other method's table do not apply")
 

@@ -11,6 +11,7 @@ __all__ = [
     "ProtocolError",
     "TransportClosed",
     "TransportBroken",
+    "KeysRefused",
     "ActorDied",
     "RemoteError",
     "StalenessViolation",
@@ -43,6 +44,10 @@ class TransportClosed(DigenrlError):
 
 class TransportBroken(DigenrlError):
     """The peer went away (died, or the link failed) while a send or receive was pending."""
+
+
+class KeysRefused(TransportBroken):
+    """The peer refused this endpoint's CURVE keys (none, or another cluster's): trying again cannot help."""
 
 
 class ActorDied(DigenrlError):

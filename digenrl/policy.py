@@ -83,6 +83,8 @@ def trained_steps(cfg: Config) -> int:
         return nft_levels(ro.num_steps, cfg.nft.levels)
     if cfg.train.algorithm == "awm":
         return cfg.awm.levels
+    if cfg.train.algorithm == "mixgrpo":
+        return cfg.mixgrpo.sliding(ro.num_steps).window  # (0: the reference's 4, fewer on a short grid)
     if ro.steps == "window":
         return ro.window
     if ro.steps == "fraction":

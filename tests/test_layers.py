@@ -1,7 +1,8 @@
 """The layering of DESIGN.md §4: each layer imports only from the layers below it.
 
 transport → actors (the generic runtime) → telemetry → data / models / rewards → rl → schedule →
-sim, config → policy → algorithms → roles → recipes, plan (→ cli). ``digenrl.errors`` is the ground every layer may use.
+sim, config → policy → algorithms → roles → recipes, plan (→ cli). ``digenrl.errors`` and ``digenrl.usercode`` (the
+user's own Python files, imported only where allowed) are the ground every layer may use; they import no other layer.
 """
 
 from __future__ import annotations
@@ -40,15 +41,19 @@ def _layer(parts: tuple[str, ...]) -> str | None:
     return name if name in ALLOWED else None
 
 
+GROUND = ("errors", "usercode")
+
+
 def _imported_layers(path: Path) -> set[str]:
     layers: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text())):
         names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
         if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names = [node.module]
+            # `from digenrl import config` imports the module digenrl.config
+            names = [f"digenrl.{a.name}" for a in node.names] if node.module == "digenrl" else [node.module]
         for name in names:
             parts = name.split(".")
-            if parts[0] == "digenrl" and len(parts) >= 2 and parts[1] != "errors":
+            if parts[0] == "digenrl" and len(parts) >= 2 and parts[1] not in GROUND:
                 layers.add(parts[1])
     return layers
 
@@ -66,7 +71,7 @@ def test_every_module_belongs_to_a_layer() -> None:
     """A new package or top-level module must take its place in the layering first."""
     stray = [str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.py")
              if not _layer(p.relative_to(PACKAGE).parts) and p.relative_to(PACKAGE).parts[0]
-             not in ("__init__.py", "errors.py")]
+             not in ("__init__.py", *(f"{g}.py" for g in GROUND))]
     assert not stray, f"modules outside the layering: {stray}"
 
 
@@ -84,3 +89,8 @@ def test_every_package_ships_in_the_wheel() -> None:
     listed = set(tomllib.loads((PACKAGE.parent / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
     found = {".".join(p.parent.relative_to(PACKAGE.parent).parts) for p in PACKAGE.rglob("__init__.py")}
     assert found <= listed, f"packages missing from pyproject.toml: {sorted(found - listed)}"
+
+
+@pytest.mark.parametrize("name", GROUND)
+def test_the_ground_imports_no_layer(name: str) -> None:
+    assert not _imported_layers(PACKAGE / f"{name}.py"), f"digenrl/{name}.py may import only the ground"

@@ -79,8 +79,9 @@ def test_each_python_block_is_the_file_it_names_or_runs(block: Block, tmp_path: 
 
 # -- commands ---------------------------------------------------------------------------------------------
 
-COMMAND = re.compile(r"(?<![\w./-])((?:\.venv/bin/)?(?:digenrl|python)) ")
+COMMAND = re.compile(r"(?<![\w./-])((?:\.venv/bin/)?(?:digenrl|python)) (?!= )")  # not a TOML `python = ...`
 PROMPT = re.compile(r"^\s*[\w.-]*\$ ")  # node0$ ..., $ ...
+SHELL_FENCES = ("", "bash", "sh", "shell", "console")
 
 
 @dataclass(frozen=True)
@@ -98,9 +99,18 @@ def _blank(text: str, start: int, end: int) -> str:
 def _commands(doc: str, source: str) -> list[Command]:
     """Every `digenrl ...` / `python ...` command line of a document: in code spans and indented blocks."""
     text = source
-    for m in FENCE.finditer(source):
-        text = _blank(text, m.start(), m.end())
     found: list[tuple[int, str]] = []
+    for m in FENCE.finditer(source):
+        if m.group(1).strip().lower() in SHELL_FENCES:  # a shell block: one command per line, `\` continuing it
+            offset, pending, start = m.start(2), "", 0
+            for line in m.group(2).split("\n"):
+                start = start if pending else offset
+                logical = pending + PROMPT.sub("", line).strip()
+                pending = logical[:-1] + " " if logical.endswith("\\") else ""
+                if not pending and not logical.startswith("#"):
+                    found += [(start, cmd) for cmd in _split(logical)]
+                offset += len(line) + 1
+        text = _blank(text, m.start(), m.end())
     offset, start, previous_blank, in_block, pending = 0, 0, True, False, ""
     for line in text.split("\n"):  # indented blocks: one command per line, `\` continuing it
         in_block = line.startswith("    ") and line.strip() != "" and (previous_blank or in_block)

@@ -31,7 +31,7 @@ from digenrl.actors.allowlist import AllowList
 from digenrl.actors._context import current_node
 from digenrl.actors._node import Node
 from digenrl.actors.base import ActorRef
-from digenrl.errors import DigenrlError, JoinRefused, RemoteError
+from digenrl.errors import ActorDied, DigenrlError, JoinRefused, KeysRefused, RemoteError, TransportBroken
 from digenrl.transport import make_transport
 from digenrl.transport.curve import ClusterKeys
 
@@ -53,6 +53,8 @@ async def run_worker(
     allow: AllowList | None = None,
     keys: ClusterKeys | None = None,
     defer_signals_to: int | None = None,
+    join_deadline: float = 0.0,
+    rejoin: bool = False,
 ) -> str:
     """Join the system at ``join`` and host actors for it until it lets go (see the module docstring).
 
@@ -76,6 +78,11 @@ async def run_worker(
             job, so this worker ignores SIGINT, and SIGTERM until that driver lets go of it (closes its
             stdin: ``ChildProcess.stop``) or dies (then Linux sends SIGTERM, which ends it as usual).
             ``None``: both end it.
+        join_deadline: keep trying a system that does not accept the connection (not started yet, still
+            importing, a link down) for this many seconds, a warning every try; 0: one try. A refusal
+            (of this worker's keys, or by the run's join policy) is final: never tried again.
+        rejoin: after losing the system's link (``"orphaned"``), join it again, under the same
+            ``join_deadline``, as a fresh worker (a running run takes it as a late rollout actor).
 
     Returns:
         Why it stopped: ``"shutdown"`` (the system let go), ``"signal"`` or ``"orphaned"``
@@ -84,33 +91,81 @@ async def run_worker(
     Raises:
         TimeoutError: the system did not answer the join.
         JoinRefused: the system does not take this worker (its join policy; the message says why).
+        KeysRefused: the system refused this worker's CURVE keys (none, or another cluster's).
         DigenrlError: the join failed (system unreachable or refusing).
     """
     name = name or f"worker-{socket.gethostname()}-{os.getpid()}"
     if listen is None and join.startswith("tcp://"):
         listen = "tcp://127.0.0.1:0"
     options = {"curve": keys} if keys is not None else {}
-    node = Node(make_transport(transport, listen, **options), name=name)
+    while True:
+        end = time.monotonic() + join_deadline
+        tries = 0
+        while True:
+            tries += 1
+            # A fresh node each try: a failed one has marked the system dead and closed its link.
+            node = Node(make_transport(transport, listen, **options), name=name)
+            # A try ends with the deadline (a system gone for good is not waited on past it), but is never
+            # cut below a few seconds (a system that is there answers a join in well under that).
+            answer_in = min(join_timeout, max(_MIN_TRY_S, end - time.monotonic())) if join_deadline else join_timeout
+            try:
+                reason = await _join_and_serve(node, join, name, token, answer_in, parent_timeout, allow,
+                                               defer_signals_to)
+                break
+            except KeysRefused:
+                raise
+            except (TransportBroken, ActorDied, TimeoutError) as exc:
+                left = end - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"the system at {join} did not take this worker within {join_deadline:g} s "
+                                       f"({tries} tries; last: {exc})") if join_deadline else exc from None
+                log.warning("worker %s: the system at %s is not reachable yet (%s); trying again, %.0f s left",
+                            name, join, exc, left)
+            finally:
+                await _close(node, name, shutdown_timeout)
+            await asyncio.sleep(min(_RETRY_S, max(0.0, end - time.monotonic())))
+        if reason != "orphaned" or not rejoin:
+            return reason
+        log.warning("worker %s: lost the link to the system at %s; joining it again as a fresh worker (for up to "
+                    "%g s); a running run takes it as a new rollout actor", name, join, join_deadline)
+
+
+_RETRY_S = 2.0  # between join tries: a driver still importing takes tens of seconds; a link back takes as long
+_MIN_TRY_S = 5.0  # the shortest a join try waits for the system's answer
+
+
+async def _join_and_serve(node: Node, join: str, name: str, token: str | None, join_timeout: float,
+                          parent_timeout: float, allow: AllowList | None, defer_signals_to: int | None) -> str:
     node.start()
     node.trusted.add(join)
     current_node.set(node)
     stop = asyncio.Event()
+    agent = _agent.NodeAgent(node, stop, allow or AllowList())
+    await node.host(agent, _agent.AGENT, trusted_only=True)
+    registry: ActorRef[_agent.Registry] = ActorRef(_agent.REGISTRY, join, node=node)
+    refused: list[KeysRefused] = []  # the system refused our keys: final, unlike a system not there yet
+    stop_watching = node.transport.add_peer_listener(
+        lambda peer, error: refused.append(error) if peer == join and isinstance(error, KeysRefused) else None)
     try:
-        agent = _agent.NodeAgent(node, stop, allow or AllowList())
-        await node.host(agent, _agent.AGENT, trusted_only=True)
-        registry: ActorRef[_agent.Registry] = ActorRef(_agent.REGISTRY, join, node=node)
-        try:
-            async with asyncio.timeout(join_timeout):
-                config = await registry.call("join", node.address, name, os.getpid(), socket.gethostname(), token)
-        except RemoteError as exc:
-            if exc.exc_type == f"{JoinRefused.__module__}.{JoinRefused.__qualname__}":  # an answer, not a fault
-                raise JoinRefused(exc.message) from None
-            raise
-        parent_timeout = float(config.get("heartbeat_timeout", parent_timeout))
-        log.info("worker %s: joined %s, serving at %s", name, join, node.address)
-        return await _serve(node, join, stop, parent_timeout, agent, defer_signals_to)
+        async with asyncio.timeout(join_timeout):
+            config = await registry.call("join", node.address, name, os.getpid(), socket.gethostname(), token)
+    except TimeoutError:
+        if refused:
+            raise refused[0] from None
+        raise TimeoutError(f"no answer to the join within {join_timeout:g} s") from None
+    except RemoteError as exc:
+        if exc.exc_type == f"{JoinRefused.__module__}.{JoinRefused.__qualname__}":  # an answer, not a fault
+            raise JoinRefused(exc.message) from None
+        raise
+    except ActorDied:
+        if refused:
+            raise refused[0] from None
+        raise
     finally:
-        await _close(node, name, shutdown_timeout)
+        stop_watching()
+    parent_timeout = float(config.get("heartbeat_timeout", parent_timeout))
+    log.info("worker %s: joined %s, serving at %s", name, join, node.address)
+    return await _serve(node, join, stop, parent_timeout, agent, defer_signals_to)
 
 
 async def _serve(node: Node, join: str, stop: asyncio.Event, parent_timeout: float, agent: _agent.NodeAgent,

@@ -23,8 +23,10 @@ import torch
 
 from digenrl.config import Config
 from digenrl.errors import ConfigError
+from digenrl.models.experts import window_range
 from digenrl.models.lora import trainable_state_dict
 from digenrl.rl.loss import Sums
+from digenrl.rl.steps import StepPlan, plan_steps
 from digenrl.rl.tsp import packed_backward, per_step_backward, sliced_backward
 
 __all__ = ["Algorithm", "Backward"]
@@ -91,10 +93,29 @@ class Algorithm:
         schedule trains one-step-stale samples."""
         return int(cls.kl_weight(cfg) > 0)
 
+    @classmethod
+    def rollout_window(cls, cfg: Config) -> Any | None:
+        """A sliding window whose rollout forwards move with the policy version (``digenrl.sim.window``), which the
+        planner prices; None (default): every step of the grid runs a forward."""
+        return None
+
     @property
     def solver(self) -> str:
         """The rollout's ODE solver (``rollout.solver``) of an uncoupled algorithm."""
         return self.cfg.rollout.solver
+
+    # -- what a coupled rollout samples ----------------------------------------------------------
+    def step_plan(self, groups: list[int], sample_ids: list[int], seed: int, version: int) -> StepPlan:
+        """Which steps of samples drawn with policy ``version`` are SDE steps and which are trained (default:
+        ``rollout.steps``); a pure function of its arguments, so every actor that runs or re-runs them agrees."""
+        ro = self.cfg.rollout
+        return plan_steps(ro.num_steps, groups, sample_ids, mode=ro.steps,  # type: ignore[arg-type]
+                          window=ro.window, window_range=window_range(self.model, ro), fraction=ro.fraction, seed=seed)
+
+    def ode_tail(self, version: int) -> tuple[int, torch.Tensor] | None:
+        """Where the rollout of policy ``version`` leaves the run's grid: ``(step, grid)``, from ``step`` on the
+        deterministic solver of :func:`digenrl.rl.flash.run_tail` on ``grid``; None (default): it never does."""
+        return None
 
     # -- the weights the rollout samples with --------------------------------------------------
     @contextlib.contextmanager

@@ -10,13 +10,14 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from digenrl.config import Config, resolve_shard
+from digenrl.config import Config, ScheduleConfig, resolve_shard
 from digenrl.errors import ConfigError
 from digenrl.plan.memory import GB, MemoryPlan, Traces, memory_plan
 from digenrl.schedule import make_schedule
 from digenrl.schedule.base import Device, Role, Workload
 from digenrl.schedule.options import PRESETS, resolve, with_overrides
 from digenrl.sim.bench import pool_bubbles
+from digenrl.sim.calibration import schedule_params
 from digenrl.sim.cost import CostModel
 from digenrl.sim.devices import device_spec
 from digenrl.sim.engine import simulate
@@ -30,6 +31,8 @@ Key = tuple[int, int, int, int]
 # train_pack of a searched split: the schedule's default for its trainers (a quarter of one's share), not the config's,
 # which is sized for the config's own trainer count (configs/sd3_nft.toml: 247 rows, a sixth of 7 trainers' share)
 SCALED = -1
+# What every split is compared with: the same devices each sampling and training (digenrl's colocated loop, packed)
+HYBRID = "colocated-tsp"
 
 
 @dataclass
@@ -49,6 +52,7 @@ class Candidate:
     bubble_by_pool: dict[str, float] = field(default_factory=dict)  # device type -> mean bubble, any role
     memory: dict[str, dict[str, float]] = field(default_factory=dict)  # role -> {gb, capacity_gb, device}
     shipped: bool = False  # the config's own placement and token sizes
+    schedule: str = ""  # the schedule it runs: "" the config's; HYBRID: every device (in ``trainer``) samples and trains
 
     @property
     def ident(self) -> tuple[object, ...]:
@@ -59,6 +63,8 @@ class Candidate:
     def split(self) -> str:
         def side(d: dict[str, int]) -> str:
             return "+".join(f"{n}x{t}" for t, n in d.items() if n) or "0"
+        if self.schedule == HYBRID:
+            return f"{HYBRID} {side(self.trainer)} (each samples, trains)"
         return f"rollout {side(self.rollout)} / trainer {side(self.trainer)}"
 
     def to_json(self) -> dict[str, Any]:
@@ -66,9 +72,9 @@ class Candidate:
 
 
 def placed_config(cfg: Config, rollout: dict[str, int], trainer: dict[str, int], tag_steps: int, fragment_groups: int,
-                  rows: int, train_pack: int = 0) -> Config:
+                  rows: int, train_pack: int = 0, schedule: str = "") -> Config:
     """``cfg`` placed as the candidate says (types: the trainers' for ``gpu``, the rollout's for ``rollout_gpu``;
-    ``train_pack`` 0: the config's)."""
+    ``train_pack`` 0: the config's; ``schedule``: another schedule, at its default token sizes)."""
     n_roll, n_train = sum(rollout.values()), sum(trainer.values())
     gpu = smallest_type(trainer)
     rollout_gpu = smallest_type(rollout) if n_roll else ""
@@ -76,8 +82,8 @@ def placed_config(cfg: Config, rollout: dict[str, int], trainer: dict[str, int],
     place = replace(cfg.placement, rollout=n_roll, trainer=n_train, gpu=gpu, actors_per_gpu=1,
                     rollout_gpu="" if rollout_gpu == gpu else rollout_gpu,
                     workers=(n_roll + n_train + cfg.placement.reward) if cfg.placement.workers else 0)
-    sched = replace(cfg.schedule, tag_steps=tag_steps, fragment_groups=fragment_groups,
-                    train_pack=train_pack or cfg.schedule.train_pack)
+    sched = ScheduleConfig(name=schedule, fragment_groups=fragment_groups, train_pack=train_pack) if schedule else replace(
+        cfg.schedule, tag_steps=tag_steps, fragment_groups=fragment_groups, train_pack=train_pack or cfg.schedule.train_pack)
     return replace(cfg, placement=place, schedule=sched, train=replace(cfg.train, rows_per_pass=rows),
                    model=replace(cfg.model, device="cuda"))
 
@@ -128,6 +134,7 @@ class SplitSearch:
         self.results: dict[Key, Candidate | None] = {}  # None: that split or its sizes do not fit
         self._split: dict[tuple[int, int, int], Candidate | None] = {}  # step 1: (R, sizes asked) -> what was run
         self.simulations = 0
+        self.pools = pools
         self._place_roles(pools)
 
     # -- the fleet's devices ---------------------------------------------------------------------------
@@ -207,31 +214,72 @@ class SplitSearch:
         return cand
 
     def run(self, cand: Candidate, r: int, w: Workload) -> None:
-        """Simulate ``cand`` (its first ``r`` devices generate) for ``w`` and record the steady figures."""
-        cfg, measured = self.cfg, self.measured
+        """Simulate ``cand`` (its first ``r`` devices generate; a HYBRID candidate: all sample and train) for ``w``
+        and record the steady figures."""
+        cfg = self.cfg
+        if cand.schedule == HYBRID:
+            order = [t for t, n in cand.trainer.items() for _ in range(n)]
+            self._simulate(cand, order, [Role.HYBRID] * len(order), w, HYBRID,
+                           {"fragment_groups": cand.fragment_groups, "train_pack": cand.train_pack})
+            return
+        sizes = {"tag_steps": cand.tag_steps, "fragment_groups": cand.fragment_groups,
+                 **({"train_pack": cand.train_pack} if cand.train_pack else {})}
+        options = {**sizes, **({"tag": False} if self.tag and not self.trainers_generate(len(self.order) - r) else {}),
+                   **{k: v for k, v in cfg.schedule_options.items() if k not in sizes},
+                   **({"staleness": cfg.schedule.staleness} if cfg.schedule.staleness else {})}
+        roles = [Role.ROLLOUT if i < r else Role.TRAINER for i in range(len(self.order))]
+        self._simulate(cand, self.order, roles, w, cfg.schedule.name, options)
+
+    def _simulate(self, cand: Candidate, order: list[str], role_of: list[Role], w: Workload, schedule_name: str,
+                  options: dict[str, object]) -> None:
+        measured = self.measured
         names, specs, roles = [], {}, {}
-        for i, t in enumerate(self.order):
+        for i, (t, role) in enumerate(zip(order, role_of, strict=True)):
             name = f"{t.lower()}-{i}"
             names.append(name)
             specs[name] = device_spec(t)
-            roles[name] = Role.ROLLOUT if i < r else Role.TRAINER
+            roles[name] = role
         # measured costs are already this device's seconds: speed 1
         devices = [Device(n, roles[n], 1.0 if measured else specs[n].peak_bf16_flops / self.ref) for n in names]
-        cost: MeasuredCost | CostModel = measured or CostModel(self.fitted, specs, self.params, roles)
-        sizes = {"tag_steps": cand.tag_steps, "fragment_groups": cand.fragment_groups,
-                 **({"train_pack": cand.train_pack} if cand.train_pack else {})}
-        schedule = make_schedule(cfg.schedule.name, devices, w, cost, **sizes,
-                                 **({"tag": False} if self.tag and not self.trainers_generate(len(self.order) - r)
-                                    else {}),
-                                 **{k: v for k, v in cfg.schedule_options.items() if k not in sizes},
-                                 **({"staleness": cfg.schedule.staleness} if cfg.schedule.staleness else {}))
+        # (the hybrid placement pays what digenrl's colocated loop pays: no engine switch, no log-prob recompute)
+        params = schedule_params(HYBRID) if schedule_name == HYBRID else self.params
+        cost: MeasuredCost | CostModel = measured or CostModel(self.fitted, specs, params, roles)
+        schedule = make_schedule(schedule_name, devices, w, cost, **options)
         # measured on one host: its processes share its cores as the bench measured (None: each owns its compute)
         res = simulate(schedule, devices, w, cost, contention=measured.contention if measured else None)
         st = summarize(res)
         self.simulations += 1
-        cand.bubble_by_pool = pool_bubbles(res, sorted(set(self.order)), st.steady.start, st.steady.end)
+        cand.bubble_by_pool = pool_bubbles(res, sorted(set(order)), st.steady.start, st.steady.end)
         cand.samples_per_s, cand.staleness = st.steady.samples_per_s, st.max_staleness
         cand.bubble_rollout, cand.bubble_trainer = st.steady.bubble_rollout, st.steady.bubble_trainer
+
+    def hybrid(self, w: Workload) -> tuple[Candidate | None, str]:
+        """The :data:`HYBRID` placement on the devices that may hold both roles and whose memory holds a device
+        that samples and trains (the largest types first: a type that does not fit is left out), simulated for
+        ``w``; or None and why there is none."""
+        counts: dict[str, int] = {}
+        for p in self.pools:
+            if {"rollout", "trainer"} <= set(p.roles) and p.device in self.may_train:
+                counts[p.device] = counts.get(p.device, 0) + p.count
+        while counts:
+            n = sum(counts.values())
+            for groups in (0, 1):  # the schedule's fragments (a device's share of the prompts), else one prompt each
+                try:
+                    variant = placed_config(self.cfg, {}, counts, 0, groups, 1, schedule=HYBRID)
+                except ConfigError as exc:  # e.g. FSDP trainers: a forward is a collective, no device samples alone
+                    return None, f"{HYBRID} not compared: {exc}"
+                sizes = resolve(replace(PRESETS[HYBRID], fragment_groups=groups or None), self.workload, n, n)
+                rows, plan = max_rows(variant, self.traces, max(1, sizes.train_pack))
+                if plan is not None:
+                    cand = Candidate({}, dict(counts), 0, sizes.fragment_groups, rows, sizes.train_pack,
+                                     schedule=HYBRID, memory={"hybrid": {
+                                         "gb": m.bytes_per_device / GB, "capacity_gb": m.capacity / GB,
+                                         "device": m.device} for m in plan.roles.values()})
+                    self.run(cand, 0, w)
+                    return cand, ""
+            del counts[smallest_type(counts)]  # its memory cannot hold both roles: the larger types alone
+        return None, (f"{HYBRID} not compared: no device type of the fleet may hold both roles with memory for a "
+                      "device that samples and trains")
 
     # -- the search steps ----------------------------------------------------------------------------
     def at_split(self, r: int, tag_steps: int, groups: int) -> Candidate | None:

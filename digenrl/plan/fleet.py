@@ -26,6 +26,11 @@ device type), and ranks them by predicted steady samples/s:
    config places) is always a finalist and stays first unless another is predicted faster by more than
    ``tolerance``, the simulator's measured error (``plan --costs``: the report's ``placement_error``, the
    error of its costs on the ratio of two splits the bench ran; ``plan_error`` in reports before it).
+5. **No split at all**: the same devices each sampling and training (``colocated-tsp``, digenrl's colocated
+   loop with TSP-packed training, no engine switch, stored log-probs) is simulated over the final run too,
+   and goes first unless the best split is predicted faster by more than ``tolerance``: splitting is
+   proposed only where the simulator says it pays (on a homogeneous fleet it often does not). A config whose
+   schedule is colocated has its splits searched with ``async1``.
 
 Tokens are priced with the fitted utilisations on the config's own profile (:func:`config_profile`:
 its model at ``model.variant``, resolution, frames, text length, CFG passes, trainable set), or with the
@@ -50,10 +55,11 @@ from pathlib import Path
 from typing import Any
 
 from digenrl.config import Config, load_config
-from digenrl.errors import ConfigError
-from digenrl.plan._split_search import Candidate, SplitSearch, placed_config, rank
+from digenrl.plan._split_search import HYBRID, Candidate, SplitSearch, placed_config, rank
 from digenrl.plan.memory import Traces, memory_plan, traces_for
-from digenrl.plan.rows import row_cost
+from digenrl.plan.rows import rollout_window, row_cost
+from digenrl.plan.window import window_note
+from digenrl.schedule.options import PRESETS
 from digenrl.sim.measured import MeasuredCost
 from digenrl.sim.profiles import PROFILES, ModelProfile
 from digenrl.sim.scenarios import PlannedSplit, Scenario
@@ -114,8 +120,9 @@ def config_profile(cfg: Config, traces: Traces | None = None) -> ModelProfile:
     plan = memory_plan(cfg, traces)
     trainer = plan.roles.get("trainer") or next(iter(plan.roles.values()))
     # (two experts, Wan2.2 A14B: a rollout engine holds both; plan.transformer_params is one expert's)
-    return model_profile(cfg.model, trainer.trainable_params, plan.transformer_params + plan.expert_params, cfg.reward,
+    prof = model_profile(cfg.model, trainer.trainable_params, plan.transformer_params + plan.expert_params, cfg.reward,
                          input_images=cfg.input_images, rows=row_cost(cfg))
+    return replace(prof, window=rollout_window(cfg))  # (a moving window: each version's rollout forwards)
 
 
 def _measured_note(cfg: Config, measured: MeasuredCost) -> str:
@@ -169,8 +176,9 @@ def plan_fleet(cfg: Config, pools: tuple[Pool, ...], *, top: int = 5, batches: i
     from digenrl.schedule.base import Workload
     from digenrl.sim.calibration import calibrated_params, cost_source
 
-    if cfg.schedule.name == "colocated":
-        raise ConfigError("schedule.name: 'colocated' has no split to search; plan an actor schedule (e.g. async1)")
+    colocated_config = PRESETS[cfg.schedule.name].colocated
+    if colocated_config:  # its splits: the full schedule's (what splitting the devices would run)
+        cfg = replace(cfg, schedule=replace(cfg.schedule, name="async1"))
     ro = cfg.rollout
     params = calibrated_params()
     workload = Workload(batches, ro.prompts_per_batch, ro.group_size, ro.num_steps, trained_steps(cfg))
@@ -188,7 +196,8 @@ def plan_fleet(cfg: Config, pools: tuple[Pool, ...], *, top: int = 5, batches: i
     # the config's own placement, when the fleet is the size it places
     shipped = None
     place = cfg.placement
-    if place.rollout + place.trainer == len(search.order) and search.lo <= place.rollout <= search.hi:
+    if (not colocated_config and place.rollout + place.trainer == len(search.order)
+            and search.lo <= place.rollout <= search.hi):
         shipped = search.evaluate(place.rollout, *base)
     finalists = _finalists(unique, splits, shipped, top, per_split)
     final = replace(workload, num_batches=final_batches)
@@ -197,15 +206,26 @@ def plan_fleet(cfg: Config, pools: tuple[Pool, ...], *, top: int = 5, batches: i
     unique = rank(finalists)
     if shipped is not None and unique[0] is not shipped:
         notes.append(_keep_or_leave_shipped(unique, shipped, tolerance))
+    if colocated_config:
+        notes.insert(0, "the config's schedule is colocated: its splits are searched with async1")
+    hybrid, why = search.hybrid(final)
+    if hybrid is not None:
+        notes.append(_colocated_or_split(unique, hybrid, tolerance, cfg.schedule.name))
+    else:
+        notes.append(why)
+    moving = window_note(fitted, cfg, pools[0].device, sum(p.count for p in pools)) if len(pools) == 1 else None
+    if moving:
+        notes.append(moving)
     notes.append("rows_per_pass: the largest the trainer memory allows (capped at a training token's rows); "
                  "the simulator's cost does not depend on it")
     shown = unique[:top]
-    if shipped is not None and shipped not in shown:
-        shown.append(shipped)  # always shown: what the config runs now, to compare with
+    for always in (shipped, hybrid):  # always shown: what the config runs now, and no split, to compare with
+        if always is not None and always not in shown:
+            shown.append(always)
     split_best: list[Candidate] = []
     if per_split:
         for c in unique:
-            if all(b.ident[:2] != c.ident[:2] for b in split_best):
+            if c is not hybrid and all(b.ident[:2] != c.ident[:2] for b in split_best):
                 split_best.append(c)
     return FleetPlan(shown, search.simulations, search.unused, notes, split_best,
                      cost_source(fitted, measured, params),
@@ -263,6 +283,24 @@ def _keep_or_leave_shipped(unique: list[Candidate], shipped: Candidate, toleranc
             f"tag_steps {shipped.tag_steps}), beyond the simulator's measured error ({tolerance:.1%})")
 
 
+def _colocated_or_split(unique: list[Candidate], hybrid: Candidate, tolerance: float, schedule: str) -> str:
+    """Put the :data:`HYBRID` placement first (in ``unique``) unless the best split is predicted faster beyond
+    ``tolerance``; say which, with both figures."""
+    best = unique[0]
+    mine = f"{HYBRID} on {'+'.join(f'{n}x{t}' for t, n in hybrid.trainer.items())}"
+    theirs = f"the best {schedule} placement ({best.split}, {best.samples_per_s:.3f} samples/s)"
+    gain = best.samples_per_s / hybrid.samples_per_s - 1.0 if hybrid.samples_per_s else float("inf")
+    if gain <= tolerance:
+        unique.insert(0, hybrid)
+        within = f", within the simulator's measured error ({tolerance:.1%})" if gain > 0 else ""
+        return (f"no split: {mine} (every device samples, then trains; {hybrid.samples_per_s:.3f} samples/s) is "
+                f"predicted {1 / (1 + gain):.2f}x {theirs}{within}; run it with schedule.name = '{HYBRID}', "
+                "placement.rollout = 0")
+    unique.append(hybrid)
+    return (f"split: {theirs} is predicted {1 + gain:.2f}x {mine} (every device samples, then trains; "
+            f"{hybrid.samples_per_s:.3f} samples/s)")
+
+
 def scenario_config(sc: Scenario) -> Config:
     """The shipped config of ``sc`` (``sc.config``, else its model's) at the scenario's size (``model.variant``) with
     the scenario's batch (prompts x G, steps, trained steps: a Flow-GRPO window, a forward-process method's noise
@@ -270,7 +308,8 @@ def scenario_config(sc: Scenario) -> Config:
     path = CONFIGS / f"{sc.config or _CONFIG_OF_ARCH[sc.model]}.toml"
     cfg = load_config(path)
     levels = {"flow_grpo": ['rollout.steps="window"', f"rollout.window={sc.trained_steps}"],
-              "nft": [f"nft.levels={sc.trained_steps}"], "awm": [f"awm.levels={sc.trained_steps}"]}
+              "nft": [f"nft.levels={sc.trained_steps}"], "awm": [f"awm.levels={sc.trained_steps}"],
+              "mixgrpo": [f"mixgrpo.window={sc.trained_steps}"]}
     return load_config(path, [f'model.variant="{sc.profile.size}"', f"rollout.prompts_per_batch={sc.prompts}",
                               f"rollout.group_size={sc.group_size}", f"rollout.num_steps={sc.num_steps}",
                               *levels[cfg.train.algorithm]])
@@ -290,7 +329,7 @@ def plan_scenario(sc: Scenario, pools: tuple[Pool, ...] | None = None, *, final_
     cfg = scenario_config(sc)
     result = plan_fleet(cfg, pools or tuple(Pool(t, n) for t, n in sc.pools), final_batches=final_batches,
                         measured=measured, prof=sc.profile)
-    best = result.best
+    best = next(c for c in result.candidates if c.schedule != HYBRID)  # the bench's planned row is a split
     options = {k: v for k, v in cfg.schedule_options.items() if k not in ("tag_steps", "fragment_groups", "train_pack")}
     options.update(tag_steps=best.tag_steps, fragment_groups=best.fragment_groups, train_pack=best.train_pack)
     if cfg.schedule.staleness:
@@ -325,16 +364,22 @@ def write_config(source: Path, overrides: list[str], cand: Candidate, out: Path,
 
     data = apply_overrides(tomllib.loads(source.read_text()), overrides)
     cfg = load_config(source, overrides)
+    if PRESETS[cfg.schedule.name].colocated:  # its splits ran async1 (plan_fleet)
+        cfg = replace(cfg, schedule=replace(cfg.schedule, name="async1"))
+        data.setdefault("schedule", {})["name"] = "async1"
     chosen = placed_config(cfg, cand.rollout, cand.trainer, cand.tag_steps, cand.fragment_groups, cand.rows_per_pass,
-                           cand.train_pack)
+                           cand.train_pack, cand.schedule)
     place = data.setdefault("placement", {})
     place.update(rollout=chosen.placement.rollout, trainer=chosen.placement.trainer, gpu=chosen.placement.gpu)
     if chosen.placement.rollout_gpu:
         place["rollout_gpu"] = chosen.placement.rollout_gpu
     if cfg.placement.workers:
         place["workers"] = chosen.placement.workers
-    data.setdefault("schedule", {}).update(tag_steps=cand.tag_steps, fragment_groups=cand.fragment_groups,
-                                           **({"train_pack": cand.train_pack} if cand.train_pack else {}))
+    if cand.schedule:  # another schedule (no split: HYBRID), at its own token sizes but the fragments planned
+        data["schedule"] = {"name": cand.schedule, "fragment_groups": cand.fragment_groups}
+    else:
+        data.setdefault("schedule", {}).update(tag_steps=cand.tag_steps, fragment_groups=cand.fragment_groups,
+                                               **({"train_pack": cand.train_pack} if cand.train_pack else {}))
     data.setdefault("train", {})["rows_per_pass"] = cand.rows_per_pass
     lines = [f"# written by `digenrl plan {source} --fleet ...`: {cand.split}, predicted "
              f"{cand.samples_per_s:.3f} samples/s (simulator), bubbles rollout {cand.bubble_rollout:.1%} / trainer "

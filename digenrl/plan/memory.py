@@ -292,8 +292,9 @@ def _sizes(cfg: Config) -> tuple[int, int]:
     w = Workload(1, ro.prompts_per_batch, ro.group_size, ro.num_steps, trained_steps(cfg))
     opts = with_overrides(PRESETS[cfg.schedule.name], cfg.schedule_options)
     colocated = cfg.schedule.name == "colocated"
-    n_roll = 1 if colocated else max(1, place.rollout)
     n_train = 1 if colocated else place.trainer
+    # colocated-tsp: every trainer is a hybrid that samples its share (the schedule resolves over them all)
+    n_roll = 1 if colocated else n_train if opts.colocated else max(1, place.rollout)
     sizes = resolve(opts, w, n_roll, n_train)
     rows = cfg.train.rows_per_pass or math.ceil(w.rows_per_batch / n_train)
     # the colocated loop (recipes/colocated.py) samples and decodes the whole batch at once
@@ -311,8 +312,8 @@ def _score_batch(cfg: Config) -> int:
     w = Workload(1, ro.prompts_per_batch, ro.group_size, ro.num_steps, trained_steps(cfg))
     if cfg.schedule.name == "colocated":
         return w.samples_per_batch
-    sizes = resolve(with_overrides(PRESETS[cfg.schedule.name], cfg.schedule_options), w, max(1, place.rollout),
-                    place.trainer)
+    opts = with_overrides(PRESETS[cfg.schedule.name], cfg.schedule_options)
+    sizes = resolve(opts, w, place.trainer if opts.colocated else max(1, place.rollout), place.trainer)
     return min(w.samples_per_batch, sizes.fragment_groups * sizes.fragment_members)
 
 

@@ -26,11 +26,12 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
-from digenrl.algorithms import ALGORITHMS
+from digenrl.algorithms import algorithm_class
 from digenrl.config import Config
 from digenrl.sim.profiles import ARCH_OF_MODEL, RowCost, clean_sample_rows, conditioning_bytes, sample_bytes
+from digenrl.sim.window import SlidingWindow
 
-__all__ = ["Boundary", "boundary", "coupled", "kl_beta", "latent_bytes", "nograd_forwards", "row_cost",
+__all__ = ["Boundary", "boundary", "coupled", "kl_beta", "latent_bytes", "nograd_forwards", "rollout_window", "row_cost",
            "slow_copies", "text_tokens"]
 
 FP32 = 4
@@ -38,13 +39,13 @@ FP32 = 4
 
 def coupled(cfg: Config) -> bool:
     """The rollout ships SDE transitions (Flow-GRPO) rather than clean samples."""
-    return ALGORITHMS[cfg.train.algorithm].coupled
+    return algorithm_class(cfg.train.algorithm).coupled
 
 
 def kl_beta(cfg: Config) -> float:
     """The weight of the algorithm's KL to the reference (its forward runs, and full fine-tuning keeps a frozen
     reference copy, only when > 0)."""
-    return ALGORITHMS[cfg.train.algorithm].kl_weight(cfg)
+    return algorithm_class(cfg.train.algorithm).kl_weight(cfg)
 
 
 def _stale(cfg: Config) -> bool:
@@ -55,12 +56,19 @@ def _stale(cfg: Config) -> bool:
 
 def nograd_forwards(cfg: Config) -> int:
     """Velocity forwards without gradient per trained row (module docstring), each of the row's CFG passes."""
-    return ALGORITHMS[cfg.train.algorithm].nograd_forwards(cfg, _stale(cfg))
+    return algorithm_class(cfg.train.algorithm).nograd_forwards(cfg, _stale(cfg))
 
 
 def slow_copies(cfg: Config) -> int:
     """Copies of the trained weights that follow them slowly on each trainer: DiffusionNFT's old policy, AWM's EMA."""
-    return ALGORITHMS[cfg.train.algorithm].slow_copies
+    return algorithm_class(cfg.train.algorithm).slow_copies
+
+
+def rollout_window(cfg: Config) -> SlidingWindow | None:
+    """A sliding window whose rollout forwards move with the version (MixGRPO), priced per token; None: every step
+    of the grid runs a forward."""
+    window = algorithm_class(cfg.train.algorithm).rollout_window(cfg)
+    return window if isinstance(window, SlidingWindow) else None
 
 
 def row_cost(cfg: Config) -> RowCost:

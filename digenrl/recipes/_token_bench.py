@@ -142,9 +142,11 @@ class TokenBench:
         from digenrl.models.lora import trainable_parameters
         from digenrl.policy import build_model, prepare_for_training
         from digenrl.rewards import build_reward
+        from digenrl.rewards.user import allow_user_rewards
         from digenrl.roles.fragments import FragmentEngine
 
         cfg, r = self.cfg, self.cfg.reward
+        allow_user_rewards(r.models)  # the bench's own config
         torch.manual_seed(cfg.log.seed)
         self.model: Any = build_model(cfg)[0]
         prepare_for_training(self.model, cfg, generates=True)

@@ -12,7 +12,8 @@ the step moves the algorithm's slow copy (``digenrl.algorithms``).
 
 It is a library call, ``train(config) -> history``, and ``digenrl run ... --set schedule.name=colocated``.
 It writes what an actor run writes: ``metrics.jsonl`` (one JSON object per iteration, the same schema),
-``config.json``, image grids of samples every ``log.image_every`` iterations, checkpoints in the actors'
+``config.json``, captioned sample grids (a fixed evaluation every ``log.image_every`` versions:
+:mod:`digenrl.recipes.samples`), checkpoints in the actors'
 format (``--resume`` continues from them), ``trace.json``, ``gantt.png`` and ``summary.json`` of its one
 device's phases (rollout, reward = decode + score, train, optim), the trained weights, and the live
 table (plain lines outside a terminal). SIGINT and SIGTERM stop it in order (:mod:`digenrl.roles.stop`).
@@ -40,22 +41,25 @@ from digenrl.config import Config
 from digenrl.data.images import reward_inputs
 from digenrl.data.prompts import batch_prompts, load_prompts
 from digenrl.models import GeneratorModel, decode_in_chunks, repeat_cond
-from digenrl.models.experts import expert_splitter, window_range
+from digenrl.models.experts import expert_splitter
 from digenrl.models.lora import load_trainable, sampling, save_trainable
 from digenrl.policy import build_model, trained_steps
 from digenrl.recipes.checkpoint import find_checkpoint, load_state, write_checkpoint
 from digenrl.recipes.outputs import fresh_out_dir
+from digenrl.recipes.samples import write_evaluation, write_rollout_samples, rollout_due
 from digenrl.rewards import build_reward
 from digenrl.rewards.base import GuardedReward
 from digenrl.rewards.failures import FailureBudget
+from digenrl.rewards.user import allow_user_rewards
 from digenrl.rl.advantages import reward_advantages
+from digenrl.roles.evaluation import evaluate, evaluation_due, evaluation_prompts
 from digenrl.rl.loss import Sums, reduce_stats
 from digenrl.rl.lr import set_lr
 from digenrl.rl.forward import velocity_probe
 from digenrl.rl.noise import initial_keys, initial_latents, probe_direction, transition_noise
 from digenrl.rl.ode import ode_step
+from digenrl.rl.flash import run_tail
 from digenrl.rl.rollout import rollout_steps
-from digenrl.rl.steps import plan_steps
 from digenrl.rl.tsp import parity_recompute
 from digenrl.roles.stop import RunInterrupted, StopRequest, on_signals
 from digenrl.schedule.base import Device, Role, Workload
@@ -91,6 +95,8 @@ class ColocatedRun:
     t0: float = 0.0  # time.perf_counter() at the start of the run
     last_end: float = 0.0  # ... at the end of the previous iteration
     spans: SpanLog | None = None  # every phase of every iteration, as the actors' runs record theirs
+    eval_prompts: list[str] | None = None  # the fixed evaluation's prompts (log.samples = "fixed"), drawn once
+    last_rewards: torch.Tensor | None = None  # the latest iteration's per-sample rewards (log.samples = "rollout")
 
 
 def default_out_dir() -> Path:
@@ -108,6 +114,7 @@ def setup(cfg: Config) -> ColocatedRun:
     t = cfg.train
     opt = torch.optim.AdamW(params, lr=t.lr, betas=(t.betas[0], t.betas[1]), weight_decay=t.weight_decay, eps=t.eps)
     r = cfg.reward
+    allow_user_rewards(r.models)  # this process's own config: its Python rewards may be imported here
     reward = build_reward(r.weights, **r.build_options(cfg.model.device))
     prompts = load_prompts(cfg.data.prompt_set, cfg.data.prompts, cfg.data.prompt_file)
     return ColocatedRun(
@@ -121,6 +128,7 @@ def setup(cfg: Config) -> ColocatedRun:
         sigmas=model.sigmas(cfg.rollout.num_steps),
         algorithm=algorithm_for(cfg, model, trains=True),
         t0=time.perf_counter(), last_end=time.perf_counter(), spans=SpanLog(time.time()),
+        eval_prompts=evaluation_prompts(prompts, cfg.log.seed, cfg.log.images_per_grid),
     )
 
 
@@ -145,14 +153,15 @@ def iteration(run: ColocatedRun, it: int) -> tuple[dict[str, Any], torch.Tensor,
     # rollout actors sample
     with algo.sampling(), sampling(model):
         if algo.coupled:
-            plan = plan_steps(ro.num_steps, groups, mode=ro.steps, window=ro.window, window_range=window_range(model, ro),
-                              fraction=ro.fraction, seed=seed)  # type: ignore[arg-type]
-            res = rollout_steps(model.velocity, x0, cond, run.sigmas, plan, 0, ro.num_steps,
+            plan = algo.step_plan(groups.tolist(), sids, seed, it)  # version it samples batch it
+            tail = algo.ode_tail(it)  # (MixGRPO-Flash: its own solver after the window)
+            res = rollout_steps(model.velocity, x0, cond, run.sigmas, plan, 0, ro.num_steps if tail is None else tail[0],
                                 noise_level=ro.noise_level, kind=ro.sde,  # type: ignore[arg-type]
                                 noise=lambda i: transition_noise(cfg.log.seed, it, sids, i, x0,
                                                                  active=plan.stochastic[:, i]),
                                 policy_version=it)
-            clean = res.x
+            clean = res.x if tail is None else run_tail(model.velocity, res.x, cond, tail[1], res.x0, tail[0],
+                                                        ro.num_steps)[0]
         else:
             clean, probe = _integrate(model, x0, cond, run.sigmas, algo.solver, cfg.log.seed)
     t1 = time.perf_counter()
@@ -162,6 +171,7 @@ def iteration(run: ColocatedRun, it: int) -> tuple[dict[str, Any], torch.Tensor,
     # rewards read the prompts' texts; an edit reward also the samples' input images (data/images.py)
     texts, sources = reward_inputs(prompts, images, run.reward.uses_sources)
     rewards = run.reward.score(images, texts, sources=sources)
+    run.last_rewards = rewards
     failed = len(prompts) if run.reward.failures > failures else 0  # a failed call penalises all its samples
     if run.reward_budget is not None:  # before training on penalties
         run.reward_budget.add(it, failed, len(prompts), run.reward.last_error)
@@ -175,16 +185,15 @@ def iteration(run: ColocatedRun, it: int) -> tuple[dict[str, Any], torch.Tensor,
         a = a[torch.randperm(a.shape[0], generator=gen)]
     elif tr.control == "negated":
         a = -a
-    if algo.coupled:
-        keep = (~adv.zero_std[res.transitions.sample]).nonzero().flatten()
-        batch: Any = res.transitions.rows(keep)
-        rows_trained = len(res.transitions)
-    else:  # every sample's rows, equal-reward groups too (both references train them)
-        rows = (0, len(prompts) * algo.rows_per_sample)  # type: ignore[attr-defined]
-        batch = algo.token_rows({"y": clean, "probe": probe}, rows, torch.ones(len(prompts), dtype=torch.bool), it,
-                                sids, it)
-        batch = batch.to(clean.device)
-        rows_trained = len(batch)
+    # The algorithm's rows of what the rollout stored, as a trainer gets them from a fragment; equal-reward
+    # groups are left out where the algorithm drops them (Flow-GRPO), trained where not (both NFT references).
+    keep = ~adv.zero_std if algo.drops_zero_std else torch.ones(len(prompts), dtype=torch.bool)
+    stored = res.transitions.stored() if algo.coupled else {"y": clean, "probe": probe}
+    batch: Any = algo.token_rows(stored, (0, len(prompts) * trained_steps(cfg)), keep, it, sids, it)
+    if batch is None:  # every group had identical rewards: nothing to learn from
+        batch = res.transitions.rows(slice(0, 0))
+    batch = batch.to(clean.device)
+    rows_trained = len(res.transitions) if algo.coupled else len(batch)
     sums = _backward(run, batch, cond, a, it)
     if algo.coupled and not len(batch) and tr.check_parity:  # nothing trained: parity on a sample of the dropped rows
         sums.append(parity_recompute(model.velocity, res.transitions, cond, PARITY_SAMPLE_ROWS))
@@ -270,22 +279,14 @@ def _optimizer_step(run: ColocatedRun, step: int) -> float:
     return grad_norm
 
 
-def save_grid(images: torch.Tensor, path: Path, columns: int = 8) -> None:
-    """Tile ``[N, 3, H, W]`` (or the first frame of videos) into one PNG."""
-    from PIL import Image
+def save_grid(images: torch.Tensor, path: Path, columns: int = 8, prompts: list[str] | None = None,
+              rewards: list[float | None] | None = None, tile_px: int = 256, title: str = "") -> None:
+    """Tile ``[N, 3, H, W]`` (or the first frame of videos) into one PNG, each tile enlarged to ``tile_px`` and
+    captioned with its prompt and reward when given (:func:`digenrl.telemetry.grid.render_grid`)."""
+    from digenrl.telemetry.grid import render_grid
 
-    if images.ndim == 5:
-        images = images[:, :, 0]
-    n, _, h, w = images.shape
-    cols = min(columns, n)
-    rows = (n + cols - 1) // cols
-    grid = torch.zeros(3, rows * h, cols * w)
-    for k in range(n):
-        r, c = divmod(k, cols)
-        grid[:, r * h : (r + 1) * h, c * w : (c + 1) * w] = images[k].float().cpu()
-    arr = (grid.clamp(0, 1) * 255).round().to(torch.uint8).permute(1, 2, 0).numpy()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    Image.fromarray(arr).save(path)
+    render_grid(images, prompts, rewards, columns=min(columns, int(images.shape[0])), tile_px=tile_px,
+                title=title).save(path)
 
 
 def train(
@@ -354,20 +355,26 @@ def _loop(run: ColocatedRun, base: int, history: list[dict[str, Any]], out: Path
     """Iterations ``base`` on, each with its metrics line, live-table row, sample grid and checkpoint, until the
     last or a signal: SIGINT leaves the iteration under way, SIGTERM stops after it (and its checkpoint)."""
     cfg = run.cfg
-    metrics = MetricsLog(out, cfg.log.tensorboard, history)
+    metrics = MetricsLog.for_run(cfg.log, cfg.to_dict(), out, history)
+    run.last_end = time.perf_counter()  # (starting a W&B run takes seconds: no step's)
     live = LiveDisplay(cfg.train.iterations, f"digenrl {cfg.schedule.name}", history) if cfg.log.live else None
     try:
         with live or contextlib.nullcontext():
+            if out is not None:
+                with stop.interruptible():
+                    _write_evaluation(run, out, metrics, base)  # the weights the run starts from
             for it in range(base, cfg.train.iterations):
                 with stop.interruptible():
-                    line, images, _ = iteration(run, it)
+                    line, images, prompts = iteration(run, it)
                 terminating = stop.checkpoint_due  # a SIGTERM that came later stops at the next boundary
                 history.append(line)
                 metrics.write(line)
                 if live is not None:
                     live.update(line)
                 if out is not None:
-                    _write_outputs(run, out, it, images, history, checkpoint=terminating)
+                    _write_outputs(run, out, it, images, history, metrics, prompts, checkpoint=terminating)
+                    with stop.interruptible():  # after the checkpoint: a Ctrl-C here loses only the grid
+                        _write_evaluation(run, out, metrics, it + 1)
                 log.debug("iteration %d: %s", it, line)
                 if on_iteration is not None:
                     on_iteration(line)
@@ -396,14 +403,27 @@ def _resume(run: ColocatedRun, path: str | Path) -> tuple[int, list[dict[str, An
     return version, list(state.get("history", []))[:version]
 
 
+def _write_evaluation(run: ColocatedRun, out: Path, metrics: MetricsLog, version: int) -> None:
+    """Version ``version``'s fixed-evaluation grid when it is due (``log.samples = "fixed"``); the model holds
+    that version's weights now. Its RNG is its own (:mod:`digenrl.roles.evaluation`): training does not change.
+    Its time is no step's: the next step's ``seconds`` (and samples/s, bubble) start after it."""
+    cfg = run.cfg
+    if cfg.log.samples != "fixed" or not evaluation_due(cfg, version) or run.eval_prompts is None:
+        return
+    t0 = time.perf_counter()
+    write_evaluation(out, metrics, cfg, evaluate(run.model, cfg, run.eval_prompts, run.reward, version))
+    run.last_end += time.perf_counter() - t0
+
+
 def _write_outputs(run: ColocatedRun, out: Path, it: int, images: torch.Tensor, history: list[dict[str, Any]],
+                   metrics: MetricsLog | None = None, prompts: list[str] | None = None,
                    checkpoint: bool = False) -> None:
-    """Iteration ``it``'s sample grid and checkpoint, when they are due (``checkpoint``: due now, SIGTERM's;
-    not with ``log.checkpoint_every = 0``)."""
+    """Iteration ``it``'s checkpoint and (``log.samples = "rollout"``) its samples' grid, when they are due
+    (``checkpoint``: due now, SIGTERM's; not with ``log.checkpoint_every = 0``)."""
     lg, last = run.cfg.log, it == run.cfg.train.iterations - 1
-    if lg.image_every and (it % lg.image_every == 0 or last):
-        save_grid(images[: lg.images_per_grid], out / "samples" / f"step_{it:05d}.png",
-                  columns=run.cfg.rollout.group_size)
+    if lg.samples == "rollout" and rollout_due(run.cfg, it) and metrics is not None and prompts is not None:
+        rewards = run.last_rewards.tolist() if run.last_rewards is not None else [None] * len(prompts)
+        write_rollout_samples(out, metrics, run.cfg, it, images, prompts, rewards)
     if lg.checkpoint_every and ((it + 1) % lg.checkpoint_every == 0 or last or checkpoint):
         # The actors' checkpoint: the trainer's files and the coordinator's state (nothing is in flight here).
         state = {"version": it + 1, "next_batch": it + 1, "seed": lg.seed, "history": history,

@@ -19,7 +19,9 @@ with the outputs below written (:mod:`digenrl.roles.stop`); the actor processes 
 this one (``digenrl.actors.process``).
 
 Outputs in ``out_dir``: ``config.json``, ``metrics.jsonl`` (one line per optimizer step),
-``samples/step_*.png``, ``checkpoints/step-*`` (atomic, ``latest``), ``trace.json`` (Chrome/Perfetto
+``samples/step_*.png`` and ``.json`` (captioned grids of the fixed evaluation, sampled by the lead trainer; of the
+training samples under ``log.samples = "rollout"`` or ``train.shard = "fsdp"``: :mod:`digenrl.recipes.samples`),
+``checkpoints/step-*`` (atomic, ``latest``), ``trace.json`` (Chrome/Perfetto
 spans of every actor), ``gantt.png`` and ``summary.json`` (the simulator's steady/full metrics of the
 real spans).
 """
@@ -38,14 +40,19 @@ from typing import Any
 
 import torch
 
+from digenrl import usercode
 from digenrl.actors import ActorSystem, Worker
 from digenrl.actors.loop import run as run_loop
-from digenrl.config import ACTOR_SCHEDULES, Config
+from digenrl.algorithms.user import allow_user_algorithm
+from digenrl.config import ACTOR_SCHEDULES, Config, is_user_algorithm
 from digenrl.data.prompts import load_prompts
 from digenrl.errors import ConfigError
 from digenrl.recipes.checkpoint import find_checkpoint, load_state, save_checkpoint
 from digenrl.recipes.late_rollout import LateRollouts
 from digenrl.recipes.preflight import cluster_keys, preflight
+from digenrl.recipes.samples import write_evaluation, write_rollout_samples
+from digenrl.roles.evaluation import Evaluation
+from digenrl.rewards.user import allow_user_rewards
 from digenrl.roles.coordinator import Coordinator, RunStopped
 from digenrl.roles.reward import RewardActor
 from digenrl.roles.rollout import RolloutActor
@@ -112,7 +119,7 @@ async def _wait_for_workers(system: ActorSystem, n: int, timeout: float) -> list
              timeout, n, system.address)
 
     def joined(worker: Worker, k: int) -> None:
-        log.info("worker %d of %d joined from %s (pid %d)", k, n, worker.host, worker.pid)
+        log.info("worker %d of %d joined from %s (%s, pid %d)", k, n, worker.host, worker.address, worker.pid)
 
     try:
         return await system.wait_for_workers(n, timeout=timeout, on_join=joined)
@@ -135,13 +142,14 @@ def actor_plan(cfg: Config) -> list[tuple[str, Role, type, tuple[Any, ...]]]:
     return plan
 
 
-def _launcher(cfg: Config) -> contextlib.AbstractAsyncContextManager[Any]:
-    """``cluster.launcher = "ray"``: the Ray launcher (Ray is imported only then); else nothing to launch."""
+def _launcher(cfg: Config, out: Path | None = None) -> contextlib.AbstractAsyncContextManager[Any]:
+    """``cluster.launcher = "ray"``: the Ray launcher (Ray is imported only then; its raylet reports go to ``out``);
+    else nothing to launch."""
     if cfg.cluster.launcher != "ray":
         return contextlib.nullcontext()
     from digenrl.recipes.ray_launcher import RayLauncher
 
-    return RayLauncher(cfg, [(name, role, cls) for name, role, cls, _ in actor_plan(cfg)])
+    return RayLauncher(cfg, [(name, role, cls) for name, role, cls, _ in actor_plan(cfg)], logs=out)
 
 
 async def start_cluster(system: ActorSystem, cfg: Config, version: int = 0, launcher: Any = None) -> Cluster:
@@ -159,6 +167,12 @@ async def start_cluster(system: ActorSystem, cfg: Config, version: int = 0, laun
     process = cfg.transport.actors == "zmq"
     conf = cfg.to_dict()
     plan = actor_plan(cfg)
+    # The run's own config may import its Python files (rewards, an algorithm) here (in-process actors) and in
+    # the processes this driver launches (their environment); a joined worker allows them itself (--allow-*).
+    user_code = allow_user_rewards(cfg.reward.models)
+    if is_user_algorithm(cfg.train.algorithm):
+        user_code.append(allow_user_algorithm(cfg.train.algorithm, "train.algorithm"))
+    env = usercode.launch_env(user_code, "train.algorithm") if process and user_code else None
     spawns: list[Any]
     if launcher is not None:
         # One worker per actor, each started by the launcher in its own placement bundle.
@@ -171,7 +185,7 @@ async def start_cluster(system: ActorSystem, cfg: Config, version: int = 0, laun
         spawns = [system.spawn(cls, *args, name=name, on=w) for (name, _, cls, args), w in zip(plan, workers)]
     else:
         plan = [(name, role, cls, (_on_gpu(cfg, conf, k), *args[1:])) for k, (name, role, cls, args) in enumerate(plan)]
-        spawns = [system.spawn(cls, *args, name=name, process=process) for name, _, cls, args in plan]
+        spawns = [system.spawn(cls, *args, name=name, process=process, env=env) for name, _, cls, args in plan]
     # Spawned together: each process spends seconds importing torch, so their imports overlap.
     refs_list = await asyncio.gather(*spawns)
     refs = {name: ref for (name, *_), ref in zip(plan, refs_list, strict=True)}
@@ -216,7 +230,7 @@ async def arun_disaggregated(cfg: Config, out_dir: str | Path | None = None, res
         ConfigError: ``schedule.name`` is not an actor schedule, or a bad checkpoint.
         RunStopped, RunInterrupted, RemoteError: as :func:`run_disaggregated`.
     """
-    from digenrl.recipes.colocated import default_out_dir, save_grid
+    from digenrl.recipes.colocated import default_out_dir
 
     if not cfg.disaggregated:
         raise ConfigError(f"schedule.name = {cfg.schedule.name!r} runs the single-process loop; the actor recipe "
@@ -236,7 +250,7 @@ async def arun_disaggregated(cfg: Config, out_dir: str | Path | None = None, res
     if write_files:
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
-    metrics = MetricsLog(out if write_files else None, logc.tensorboard, history)
+    metrics = MetricsLog.for_run(logc, cfg.to_dict(), out if write_files else None, history)
     live = LiveDisplay(cfg.train.iterations, f"digenrl {sched.name}", history) if logc.live else None
     t0 = time.time()
     steps = [base]  # optimizer steps done, for the line of a run a signal stops
@@ -249,24 +263,34 @@ async def arun_disaggregated(cfg: Config, out_dir: str | Path | None = None, res
         if on_step is not None:
             on_step(m)
 
-    def images(step: int, imgs: torch.Tensor) -> None:
-        save_grid(imgs[: cfg.log.images_per_grid].float() / 255, out / "samples" / f"step_{step:05d}.png",
-                  columns=cfg.rollout.group_size)
+    def images(step: int, imgs: torch.Tensor, prompts: list[str], rewards: list[float]) -> None:
+        write_rollout_samples(out, metrics, cfg, step, imgs, prompts, rewards)
+
+    def evaluation(ev: Evaluation) -> None:
+        write_evaluation(out, metrics, cfg, ev)
+
+    fixed = logc.samples == "fixed" and cfg.shard != "fsdp"
+    if logc.samples == "fixed" and not fixed and logc.image_every and write_files:
+        log.info("log.samples = 'fixed' needs a trainer that samples alone; under train.shard = 'fsdp' (a forward is "
+                 "a collective) the grids show each due batch's training samples instead")
 
     stop = StopRequest(logc.term_grace)
     try:
         async with stop_scope(stop):
             return await _run_actors(cfg, out, base, ckpt, history, options, stop, metrics, live, step_done,
-                                     images if write_files else None, write_files, t0, cost=cost,
-                                     on_dispatch=on_dispatch, on_result=on_result, on_admit=on_admit)
+                                     images if write_files and not fixed else None, write_files, t0, cost=cost,
+                                     on_dispatch=on_dispatch, on_result=on_result, on_admit=on_admit,
+                                     on_eval=evaluation if write_files and fixed else None)
     except RunInterrupted as exc:
         raise exc.at(max(exc.step, steps[0]), out if write_files else None) from None
 
 
 async def _run_actors(cfg: Config, out: Path, base: int, ckpt: Path | None, history: list[dict[str, Any]],
                       options: dict[str, Any], stop: StopRequest, metrics: MetricsLog, live: LiveDisplay | None,
-                      step_done: Callable[[dict[str, Any]], None], images: Callable[[int, torch.Tensor], None] | None,
+                      step_done: Callable[[dict[str, Any]], None],
+                      images: Callable[[int, torch.Tensor, list[str], list[float]], None] | None,
                       write_files: bool, t0: float, *, cost: CostEstimate | None,
+                      on_eval: Callable[[Evaluation], None] | None = None,
                       on_dispatch: Callable[[str, dict[str, Any]], Any] | None,
                       on_result: Callable[[Timeline, list[tuple[Token, float]], list[tuple[Token, float]]], None] | None,
                       on_admit: Callable[[dict[str, Any]], None] | None) -> list[dict[str, Any]]:
@@ -278,8 +302,9 @@ async def _run_actors(cfg: Config, out: Path, base: int, ckpt: Path | None, hist
     bind_options = {} if kind == "inproc" else {"address_key": "transport.address"}
     # Ray workers join over tcp: on one host loopback is enough (several hosts need transport.address).
     address = transport.address or ("tcp://127.0.0.1:0" if cfg.cluster.launcher == "ray" else None)
-    async with _launcher(cfg) as launcher, ActorSystem(transport=kind, address=address, name="coordinator",
-                                                       keys=cluster_keys(cfg), transport_options=bind_options) as system:
+    async with _launcher(cfg, out) as launcher, ActorSystem(transport=kind, address=address, name="coordinator",
+                                                            keys=cluster_keys(cfg),
+                                                            transport_options=bind_options) as system:
         cluster = await start_cluster(system, cfg, base, launcher)
         trainers = cluster.names(Role.TRAINER)
         if ckpt is not None:
@@ -301,7 +326,7 @@ async def _run_actors(cfg: Config, out: Path, base: int, ckpt: Path | None, hist
             is_dead=cluster.is_dead, weights_lane=transport.weights if transport.weights in COMM_KINDS else "zmq",
             bucket_mb=transport.bucket_mb, checkpoint=checkpoint if write_files else None,
             checkpoint_every=logc.checkpoint_every, on_step=step_done,
-            on_images=images, on_dispatch=on_dispatch, t0=t0, shard=cfg.shard,
+            on_images=images, on_eval=on_eval, on_dispatch=on_dispatch, t0=t0, shard=cfg.shard,
             on_admit=on_admit, stop=stop)
         late = LateRollouts(cfg, system, coordinator)
         late.install()  # from now on a worker that joins is a late rollout actor, or refused
@@ -329,8 +354,16 @@ async def _run_actors(cfg: Config, out: Path, base: int, ckpt: Path | None, hist
 
 async def _write_summary(out: Path, result: Timeline, coordinator: Coordinator, cluster: Cluster) -> None:
     """``summary.json``: the run's bubble and throughput figures, lost and admitted devices, peak memory."""
+    # Actors lost or admitted mid-run change who generated what, and when: the numbers are no longer
+    # those an uninterrupted run of the same config and seed gives.
+    changed = bool(coordinator.lost_devices or coordinator.admitted)
+    if changed:
+        log.warning("actors changed mid-run (lost %s, admitted %s): this run is not the one an uninterrupted run "
+                    "gives (summary.json: repeats_uninterrupted = false)", list(coordinator.lost_devices) or "none",
+                    [a.get("device", "?") for a in coordinator.admitted] or "none")
     (out / "summary.json").write_text(json.dumps({**run_stats(result), "lost_devices": coordinator.lost_devices,
                                                   "admitted": coordinator.admitted,
+                                                  "repeats_uninterrupted": not changed,
                                                   "peak_memory": await _peaks(cluster)}, indent=1))
 
 

@@ -97,7 +97,7 @@ class LateRollouts:
         name = f"rollout-{self._next}"
         self._next += 1
         self._arriving.add(name)
-        log.info("worker %s from %s joins the run as %s", worker.name, worker.host, name)
+        log.info("worker %s from %s (%s) joins the run as %s", worker.name, worker.host, worker.address, name)
         # A task: it runs once the system has registered the worker (right after this returns).
         task = asyncio.ensure_future(self._place(worker, name))
         self._tasks.add(task)

@@ -19,9 +19,9 @@ __all__ = ["RUN_OUTPUTS", "run_outputs", "check_out_dir", "claim_out_dir", "fres
 
 log = logging.getLogger(__name__)
 
-# Every entry a run writes in its directory (metrics.jsonl's TensorBoard twin is tb/).
+# Every entry a run writes in its directory (metrics.jsonl's TensorBoard twin is tb/, its W&B run wandb/).
 RUN_OUTPUTS = ("metrics.jsonl", "checkpoints", "summary.json", "trace.json", "gantt.png", "samples",
-               "trainable.safetensors", "tb", "config.json")
+               "trainable.safetensors", "tb", "wandb", "config.json")
 
 
 def run_outputs(out: Path) -> list[Path]:

@@ -15,7 +15,10 @@ later, deeper, or inside an actor process as a remote traceback. In the run's or
 3. ``model.init`` fits ``model.preset``;
 4. the rewards: ``reward.device`` exists here, every weighted learned reward's files (the paths of its
    ``[reward.models.<name>]`` table, their ``config.json`` and state-dict headers: the architecture, never
-   the weights) and its optional extra, and the remote reward answers at ``reward.url``.
+   the weights) and its optional extra, every Python reward's file (it imports, names a class with
+   ``score``, whose constructor takes the table's settings; the constructor is not run), and the remote
+   reward answers at ``reward.url``;
+5. ``log.wandb`` finds W&B installed.
 
 Not here: the memory plan (``digenrl.plan.memory.check_memory``, the CLI's second call: the planner
 sits above the recipes), and what needs the spawned processes (a free port, workers that join, the
@@ -39,7 +42,8 @@ from digenrl.errors import ConfigError
 from digenrl.transport.curve import ClusterKeys, load_keys, require_keys
 from digenrl.transport.hosts import check_bind_address
 
-__all__ = ["preflight", "validation", "Validation", "cluster_keys", "check_transport", "check_init", "check_reward"]
+__all__ = ["preflight", "validation", "Validation", "cluster_keys", "check_transport", "check_init", "check_reward",
+           "check_logging", "gloo_interfaces", "untrusted_links"]
 
 
 def preflight(cfg: Config, collect: Callable[[Callable[[], None]], None] | None = None) -> None:
@@ -56,6 +60,7 @@ def preflight(cfg: Config, collect: Callable[[Callable[[], None]], None] | None 
         run(lambda: check_transport(cfg))
     run(lambda: check_init(cfg))
     run(lambda: check_reward(cfg))
+    run(lambda: check_logging(cfg))
 
 
 def cluster_keys(cfg: Config) -> ClusterKeys | None:
@@ -125,7 +130,10 @@ def check_reward(cfg: Config) -> None:
     from digenrl.rewards.registry import check_reward_files
     from digenrl.rewards.remote import RemoteReward
 
+    from digenrl.rewards.user import allow_user_rewards
+
     r = cfg.reward
+    allow_user_rewards(r.models)  # this process's own config: its Python rewards are imported to be checked
     placed = cfg.cluster.launcher == "ray"  # Ray places the actors on its GPU nodes: the driver may have none
     if r.device.startswith("cuda") and not placed and not torch.cuda.is_available():
         raise ConfigError(f"reward.device = {r.device!r}, but this host has no CUDA device; use 'cpu' or '' (the "
@@ -160,6 +168,8 @@ class Validation:
 
     problems: list[str] = field(default_factory=list)
     left: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # what the run will do, worth knowing (the gloo interfaces)
+    warnings: list[str] = field(default_factory=list)  # allowed, but not what you may assume (plain-TCP links)
 
 
 def validation(cfg: Config) -> Validation:
@@ -171,8 +181,9 @@ def validation(cfg: Config) -> Validation:
     import torch
 
     from digenrl.rewards.registry import check_reward_files
+    from digenrl.rewards.user import allow_user_rewards, user_reward_paths
 
-    out = Validation()
+    out = Validation(notes=gloo_interfaces(cfg), warnings=untrusted_links(cfg))
 
     def attempt(check: Callable[[], None]) -> None:
         try:
@@ -202,14 +213,78 @@ def validation(cfg: Config) -> Validation:
         else:
             attempt(lambda: _launcher_and_keys(cfg))
     attempt(lambda: check_init(cfg))
+    attempt(lambda: check_logging(cfg))
     r = cfg.reward
     if r.device.startswith("cuda"):
         out.left.append(f"reward.device = {r.device!r}: a CUDA device of the hosts that score")
     paths = [str(v) for t in r.models.values() for k, v in t.items() if k.endswith("path") and isinstance(v, str) and v]
+    allow_user_rewards(r.models)  # this process's own config: its Python rewards are imported to be checked
+    paths += user_reward_paths(r.models)
     where_present(paths, "reward.models", lambda: check_reward_files(r.weights, r.models))
     if "remote" in r.weights or "vlm_judge" in r.weights:
         out.left.append("reward.url / reward.models.vlm_judge: the served reward, as the run's hosts reach it")
     return out
+
+
+def gloo_interfaces(cfg: Config) -> list[str]:
+    """Which interface each role's gloo groups will listen on (docs/machines.md, "The gloo interface").
+
+    Roles this host starts are decided here (``GLOO_SOCKET_IFNAME``, else the route to the lead trainer,
+    on this host); roles on joined workers or Ray nodes are decided on their hosts, by the same rule.
+    """
+    from digenrl.transport.gloo_iface import ENV, gloo_interface
+
+    p, t = cfg.placement, cfg.transport
+    groups: list[tuple[str, list[str]]] = []
+    if t.actors == "zmq" and p.trainer > 1 and not cfg.model.device.startswith("cuda"):  # (NCCL on CUDA)
+        groups.append((f"the trainer group (placement.trainer = {p.trainer})",
+                       [f"trainer-{i}" for i in range(p.trainer)]))
+    if t.weights == "gloo":
+        late = ["late rollout actors"] if p.late_rollout else []
+        groups.append(("the weight lane (transport.weights = 'gloo')",
+                       ["trainer-0", *(f"rollout-{i}" for i in range(p.rollout)), *late]))
+    lines = []
+    for what, roles in groups:
+        if cfg.cluster.launcher == "ray" or p.workers:
+            where = ("Ray nodes" if cfg.cluster.launcher == "ray"
+                     else f"joined workers (placement.workers = {p.workers})")
+            lines.append(f"gloo: {what}: {', '.join(roles)} run on {where}; each decides on its own host: {ENV} "
+                         "there, else the interface on its route to trainer-0 (its --listen address's when the hosts "
+                         "share a network)")
+        else:
+            here = gloo_interface("127.0.0.1")
+            lines.append(f"gloo: {what}: {', '.join(roles)} run on this host and listen on {here}")
+    return lines
+
+
+def untrusted_links(cfg: Config) -> list[str]:
+    """A warning when torch.distributed links (plain TCP) may cross hosts: docs/machines.md, "Security"."""
+    p, t = cfg.placement, cfg.transport
+    from digenrl.transport.curve import is_loopback
+
+    if t.actors != "zmq" or not t.address or is_loopback(t.address):
+        return []
+    uses = [f"placement.trainer = {p.trainer} (gradients)"] if p.trainer > 1 else []
+    if t.weights in ("gloo", "nccl"):
+        uses.append(f"transport.weights = {t.weights!r} (the weights)")
+    if not uses:
+        return []
+    return [f"{' and '.join(uses)} with transport.address = {t.address!r} off loopback: these torch.distributed "
+            "links are plain TCP, neither encrypted nor authenticated (CURVE covers only the ZeroMQ sockets); run "
+            "them across hosts only on a network you trust, or keep one trainer and transport.weights = 'zmq' "
+            "(docs/machines.md, Security)"]
+
+
+def check_logging(cfg: Config) -> None:
+    """``log.wandb = true`` where W&B is installed (found, not imported: ``digenrl.telemetry.wandb_log``).
+
+    Raises:
+        ConfigError: naming ``log.wandb`` and the install command.
+    """
+    if cfg.log.wandb:
+        from digenrl.telemetry.wandb_log import check_wandb
+
+        check_wandb()
 
 
 def _launcher_and_keys(cfg: Config) -> None:

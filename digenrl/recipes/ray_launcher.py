@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import os
 import signal
@@ -212,8 +213,10 @@ class RayLauncher:
             config key), or the placement group is not ready within ``placement.join_timeout``.
     """
 
-    def __init__(self, cfg: Config, actors: list[tuple[str, Role, type]]) -> None:
+    def __init__(self, cfg: Config, actors: list[tuple[str, Role, type]], logs: Path | None = None) -> None:
         self.cfg = cfg
+        self.logs = logs  # where a dead raylet's last log lines go (the run directory); None: a temporary file
+        self._unroute: Callable[[], None] | None = None
         self.bundles = plan_bundles(cfg, actors)
         self.ray: Any = None
         self.pg: Any = None
@@ -256,6 +259,7 @@ class RayLauncher:
         ray.init(address=None if address in ("auto", "local") else address, **kwargs)
         self._owns_ray = True
         log.info("Ray: connected (%s), %d node(s)", address, len(ray.nodes()))
+        self._unroute = _route_raylet_deaths(self.logs)
 
     def _check_resources(self, ray: Any) -> None:
         total = ray.cluster_resources()
@@ -390,9 +394,17 @@ class RayLauncher:
                      if n in self._waits and not self._waits[n].done()]
             if stops:
                 await asyncio.wait(stops, timeout=timeout)
+                for fut in stops:  # a host on a dead node cannot answer: expected, not news
+                    if fut.done() and not fut.cancelled():
+                        fut.exception()
             for fut in self._waits.values():
                 if not fut.done():
                     fut.cancel()
+                elif not fut.cancelled():
+                    fut.exception()  # a host on a dead node (its watcher already cancelled): expected, not news
+        if self._unroute is not None:
+            self._unroute()
+            self._unroute = None
         hosts, pg, owns = list(self.hosts.values()), self.pg, self._owns_ray
         self.hosts, self.pg, self._owns_ray = {}, None, False
         if not (hosts or pg is not None or owns):
@@ -414,6 +426,51 @@ class RayLauncher:
             from ray.util.placement_group import remove_placement_group
 
             remove_placement_group(pg)
+
+
+_RAYLET_DIED = "Raylet is terminated"
+
+
+def _route_raylet_deaths(logs: Path | None) -> Callable[[], None]:
+    """A raylet's death, which Ray reports to the driver with its last 20 log lines, as one line; the lines in a file.
+
+    Ray prints the report through ``ray._private.worker.print_to_stdstream`` (its error listener calls it by
+    name); every other line Ray streams passes through as before. Returns the function that undoes it.
+    """
+    import ray._private.worker as ray_worker
+
+    original = getattr(ray_worker, "print_to_stdstream", None)
+    if original is None:  # another Ray: its reports stay as Ray prints them
+        return lambda: None
+    count = itertools.count(1)
+    seen: set[int] = set()  # the node's agents each report the same death: once is enough
+
+    def routed(data: dict[str, Any], ignore_prefix: bool) -> None:
+        lines = [str(line) for line in data.get("lines", [])]
+        if data.get("pid") != "raylet" or not lines or not lines[0].startswith(_RAYLET_DIED):
+            original(data, ignore_prefix)
+            return
+        if hash(tuple(lines)) in seen:
+            return
+        seen.add(hash(tuple(lines)))
+        where = logs if logs is not None and logs.is_dir() else Path(tempfile.gettempdir())
+        path = where / f"ray-raylet-died-{os.getpid()}-{next(count)}.log"
+        try:
+            path.write_text("\n".join(lines) + "\n")
+            kept = f"its last log lines are in {path}"
+        except OSError as exc:
+            kept = f"its last log lines could not be written to {path}: {exc}"
+        unexpected = "unexpected" in lines[0].split("\n", 1)[0]
+        log.error("Ray: a node's raylet died%s; %s", " unexpectedly (kill -9, the OOM killer or a crash)" if unexpected
+                  else "", kept)
+
+    ray_worker.print_to_stdstream = routed
+
+    def undo() -> None:
+        if ray_worker.print_to_stdstream is routed:
+            ray_worker.print_to_stdstream = original
+
+    return undo
 
 
 async def _bounded(fn: Callable[[], None], timeout: float) -> bool:

@@ -8,6 +8,7 @@ Every reward but ``remote`` is built by a :data:`RewardFactory` in :data:`_FACTO
 has none), ``device`` where it runs (``"cpu"``, ``"cuda"``, ``"cuda:1"``: ``reward.device``, or the
 actor's ``model.device`` when that is empty) and ``dtype`` the resolved torch dtype name
 (``"float32"``, ``"bfloat16"``, ``"float16"``: ``reward.dtype``, or bf16 on CUDA and fp32 elsewhere).
+A name of the user's own, whose table has a ``python`` key, is built by :mod:`digenrl.rewards.user` instead.
 A reward that needs neither ignores them. :data:`_TABLES` optionally declares a table's keys (checked
 when the config loads; without an entry the factory checks its table itself), :data:`_CHECKS` the
 cheap file checks ``digenrl validate`` runs before anything starts (:func:`check_reward_files`).
@@ -25,6 +26,7 @@ from digenrl.rewards.aesthetic import AESTHETIC_TABLE
 from digenrl.rewards.base import GuardedReward, Reward, WeightedReward
 from digenrl.rewards.clip import CLIP_TABLE
 from digenrl.rewards.hps import HPS_TABLE
+from digenrl.rewards.user import check_spelling, check_user_reward, is_user_table, load_user_reward
 
 __all__ = ["REWARD_NAMES", "RewardFactory", "make_reward", "build_reward", "check_models", "check_reward_files",
            "resolve_dtype_name"]
@@ -183,10 +185,16 @@ def check_models(weights: Mapping[str, float], models: Mapping[str, Any]) -> Non
         if name == "remote":
             raise ConfigError("reward.models.remote: the 'remote' reward is set by reward.url (and timeout, retries, "
                               "image_format), not a table")
-        if name not in _FACTORIES:
-            raise ConfigError(f"reward.models.{name}: unknown reward {name!r}; allowed: {', '.join(_FACTORIES)}")
         if not isinstance(table, Mapping):
             raise ConfigError(f"reward.models.{name}: must be a table, got {table!r}")
+        if is_user_table(table):
+            if name in _FACTORIES:
+                raise ConfigError(f"reward.models.{name}.python: {name!r} is a built-in reward; give your own reward "
+                                  "a name of its own (in reward.weights and [reward.models.<name>])")
+            check_spelling(name, table["python"])
+        elif name not in _FACTORIES:
+            raise ConfigError(f"reward.models.{name}: unknown reward {name!r}; allowed: {', '.join(_FACTORIES)}, "
+                              f"or your own: python = \"path/to/file.py:ClassName\" (docs/rewards.md)")
     for name in dict.fromkeys([*models, *weights]):
         spec = _TABLES.get(name)
         if spec is not None:
@@ -209,16 +217,19 @@ def check_reward_files(weights: Mapping[str, float], models: Mapping[str, Any]) 
     for name in weights:
         if name in _CHECKS:
             _CHECKS[name](models.get(name, {}))
+        elif is_user_table(models.get(name)):
+            check_user_reward(name, models[name])
 
 
 def make_reward(name: str, *, table: Mapping[str, Any] | None = None, device: str = "cpu", dtype: str = "",
                 url: str | None = None, timeout: float = 30.0, retries: int = 2, image_format: str = "png",
                 remote_sources: bool = False) -> Reward:
-    """One reward by name, built by its factory from its table on ``device`` in ``dtype``.
+    """One reward by name, built by its factory from its table on ``device`` in ``dtype`` (a name of the user's
+    own: the class its table's ``python`` names, :mod:`digenrl.rewards.user`).
 
     Raises:
         ConfigError: unknown name, ``remote`` without a URL, or a problem with the reward's table (naming
-            ``reward.models.<name>.<key>``).
+            ``reward.models.<name>.<key>``), or with a Python reward's file, class or constructor.
     """
     if name == "remote":
         if not url:
@@ -227,8 +238,11 @@ def make_reward(name: str, *, table: Mapping[str, Any] | None = None, device: st
 
         return RemoteReward(url, timeout=timeout, retries=retries, image_format=image_format,
                             send_sources=remote_sources)
+    if is_user_table(table) and name not in _FACTORIES:
+        return load_user_reward(name, table, device, resolve_dtype_name(dtype, device))  # type: ignore[arg-type]
     if name not in _FACTORIES:
-        raise ConfigError(f"reward.weights: unknown reward {name!r}; allowed: {', '.join(REWARD_NAMES)}")
+        raise ConfigError(f"reward.weights: unknown reward {name!r}; allowed: {', '.join(REWARD_NAMES)}, or your own: "
+                          f"[reward.models.{name}] python = \"path/to/file.py:ClassName\" (docs/rewards.md)")
     table = dict(table or {})
     if name in _TABLES:
         _check_spec(name, table, _TABLES[name], required=True)

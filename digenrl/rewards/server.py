@@ -5,6 +5,7 @@ Run one::
 
     python -m digenrl.rewards.server --reward jpeg_compressibility --port 0
     python -m digenrl.rewards.server --reward clipscore --set path=/models/clip-vit-large-patch14 --device cuda
+    python -m digenrl.rewards.server --python examples/rewards/brightness.py:Brightness --set target=0.5
 
 It binds to 127.0.0.1 unless ``--host`` says otherwise and writes its URL as the first line of stdout
 (useful with ``--port 0``). It scores on ``POST /score`` and, for a ``reward.url`` given as a bare base
@@ -143,9 +144,13 @@ class RewardServer:
 def main(argv: list[str] | None = None) -> None:
     """Entry point of ``python -m digenrl.rewards.server``."""
     from digenrl.rewards.registry import REWARD_NAMES, make_reward
+    from digenrl.rewards.user import allow_user_reward
 
     ap = argparse.ArgumentParser(description="Serve a digenrl reward over HTTP (JSON).")
-    ap.add_argument("--reward", required=True, choices=[n for n in REWARD_NAMES if n != "remote"])
+    which = ap.add_mutually_exclusive_group(required=True)
+    which.add_argument("--reward", choices=[n for n in REWARD_NAMES if n != "remote"])
+    which.add_argument("--python", metavar="FILE.py:CLASS", help="serve a reward of your own, as reward.models.NAME."
+                       "python names it (docs/rewards.md)")
     ap.add_argument("--set", dest="table", action="append", default=[], metavar="KEY=VALUE",
                     help="an entry of the reward's [reward.models.NAME] table, e.g. --set path=/models/clip (repeatable)")
     ap.add_argument("--device", default="cpu", help="where the reward runs: cpu, cuda or cuda:K")
@@ -156,7 +161,10 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     try:
-        reward = make_reward(args.reward, table=_table(ap, args.table), device=args.device, dtype=args.dtype)
+        name, table = args.reward, _table(ap, args.table)
+        if args.python:  # this command line is the process's own config: it may import the file
+            name, table = allow_user_reward(args.python, "--python").rpartition(":")[2], {**table, "python": args.python}
+        reward = make_reward(name, table=table, device=args.device, dtype=args.dtype)
     except ConfigError as exc:  # one line naming the key (reward.models.NAME.KEY is --set KEY here)
         ap.error(str(exc))
     srv = RewardServer(reward, host=args.host, port=args.port, max_bytes=args.max_bytes)

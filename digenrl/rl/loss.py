@@ -20,7 +20,8 @@ from typing import Literal
 
 import torch
 
-__all__ = ["KlKind", "KL_KINDS", "LossConfig", "LossTerms", "Sums", "grpo_loss", "host_sums", "parity_sums", "reduce_stats"]
+__all__ = ["KlKind", "KL_KINDS", "LossConfig", "LossTerms", "Sums", "grpo_loss", "host_sums", "parity_sums", "ppo_sums",
+           "reduce_stats"]
 
 KlKind = Literal["exact", "g2"]
 KL_KINDS: tuple[str, ...] = ("exact", "g2")
@@ -117,11 +118,18 @@ def grpo_loss(
             raise ValueError(f"kl_kind={cfg.kl_kind!r} needs {'std' if cfg.kl_kind == 'exact' else 'g'}")
         sq = ((mean - mean_ref.detach()) ** 2).flatten(1).mean(dim=1)
         kl = sq / (2 * denom.float() ** 2)
-    loss = policy + cfg.kl_beta * kl
-    with torch.no_grad():  # tensors on the rows' device: read on the host once per token (host_sums)
-        d = delta.detach()
-        r = ratio.detach()
-        sums = {
+    return LossTerms(loss=policy + cfg.kl_beta * kl, sums=ppo_sums(policy, kl, delta, ratio, eps))
+
+
+def ppo_sums(policy: torch.Tensor, kl: torch.Tensor, log_ratio: torch.Tensor, ratio: torch.Tensor,
+             eps: float) -> dict[str, torch.Tensor | float]:
+    """The diagnostics a clipped-ratio loss reports, summed over its ``[R]`` rows (:class:`LossTerms`).
+
+    Tensors stay on the rows' device: they are read on the host once per token (``host_sums``).
+    """
+    with torch.no_grad():
+        d, r = log_ratio.detach(), ratio.detach()
+        return {
             "policy_loss": policy.detach().sum(),
             "kl": kl.detach().sum(),
             "approx_kl": (0.5 * d**2).sum(),
@@ -132,7 +140,6 @@ def grpo_loss(
             "ratio_dev": (r - 1.0).abs().sum(),
             "rows": float(r.numel()),
         }
-    return LossTerms(loss=loss, sums=sums)
 
 
 def parity_sums(log_prob: torch.Tensor, log_prob_old: torch.Tensor) -> Sums:

@@ -62,6 +62,10 @@ class TransitionBatch:
     def __len__(self) -> int:
         return int(self.sample.shape[0])
 
+    def stored(self) -> dict[str, torch.Tensor]:
+        """The rows as a fragment stores them for the trainer (``Algorithm.token_rows``'s ``trans``)."""
+        return {k: getattr(self, k) for k in ("sample", "step", *_VALUES)}
+
     def to(self, device: torch.device | str) -> TransitionBatch:
         """The rows with their values (not their host indices) on ``device``."""
         return replace(self, **{k: getattr(self, k).to(device) for k in _VALUES})
@@ -116,12 +120,14 @@ _VALUES = ("x", "x_next", "sigma", "sigma_next", "log_prob", "noise_level")
 
 @dataclass(frozen=True)
 class RolloutResult:
-    """Latents after ``stop`` and the transitions recorded in ``[start, stop)``."""
+    """Latents after ``stop``, the transitions recorded in ``[start, stop)`` and the last step's data prediction
+    ``x - sigma v`` (a multistep solver that takes over from there needs it: :mod:`digenrl.rl.flash`)."""
 
     x: torch.Tensor
     transitions: TransitionBatch
     start: int
     stop: int
+    x0: torch.Tensor | None = None
 
 
 @torch.no_grad()
@@ -175,11 +181,14 @@ def rollout_steps(
     levels = plan.stochastic.float() * noise_level
     sigmas, levels_here = sigmas.float().to(x.device), levels.to(x.device)
     rows: list[TransitionBatch] = []
+    x0 = None
     for i in range(start, stop):
         sig = sigmas[i].expand(b)
         sig_next = sigmas[i + 1].expand(b)
         a_row = levels_here[:, i]
         v = velocity(x, sig, cond)
+        if i == stop - 1:
+            x0 = x - sigmas[i] * v.float()
         out = sde_step(x, v, sig, sig_next, levels[:, i], None if noise is None else noise(i), kind=kind,
                        generator=generator)
         idx = plan.trained[:, i].nonzero().flatten()
@@ -203,7 +212,7 @@ def rollout_steps(
         x = out.x_next
     if not rows:
         rows.append(_empty(x, kind, policy_version))
-    return RolloutResult(x=x, transitions=TransitionBatch.cat(rows), start=start, stop=stop)
+    return RolloutResult(x=x, transitions=TransitionBatch.cat(rows), start=start, stop=stop, x0=x0)
 
 
 def _empty(x: torch.Tensor, kind: SdeKind, version: int) -> TransitionBatch:

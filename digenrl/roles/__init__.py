@@ -8,6 +8,7 @@
 * :mod:`.trainer`: :class:`~.trainer.TrainerActor` (TSP-packed training, optimizer steps, publication).
 * :mod:`.reward`: :class:`~.reward.RewardActor` (decode and score on a device of its own).
 * :mod:`.weights`: versioned, bucketed weight publication.
+* :mod:`.evaluation`: the fixed evaluation behind the sample grids (sampled on a trainer, scored where rewards are).
 * :mod:`.stop`: the orderly stop on SIGINT and SIGTERM (the coordinator's and the colocated loop's).
 
 Role actors hold no schedule logic: they run the tokens they are handed and report measured spans.

@@ -25,6 +25,12 @@ position is just the next batch index), a ``GroupAssembler`` fed by REWARD resul
 of every finished group, loss sums from TRAIN results, a row ledger that proves every trained row
 of the batch is trained exactly once, the rewards and (every ``log.image_every`` steps) images.
 
+Sample grids (``on_eval``, ``log.samples = "fixed"``): at the start and after each optimizer step whose version is
+due, the lead trainer samples the fixed evaluation (``sample_evaluation``: it holds that version's trained weights
+and nothing need be published) and the actor that scores decodes and scores it (``score_evaluation``: a reward
+actor, else a rollout actor, else the trainer); both run between those actors' tokens, beside the schedule, and
+the run waits for the last before it returns.
+
 Races: a TRAIN token may be issued before its groups' advantages exist (with ``adv_std =
 "global"`` advantages need the whole batch); its task waits on a condition until they do, and
 the trainer counts as busy meanwhile. An OPTIM token's task also computes the step's metrics and
@@ -42,22 +48,23 @@ import logging
 import signal
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 
 from digenrl.actors import dropped_counts
-from digenrl.algorithms import ALGORITHMS
+from digenrl.algorithms import algorithm_class
 from digenrl.config import Config
 from digenrl.data.prompts import batch_prompts
 from digenrl.errors import ActorDied, ConfigError, DigenrlError, StalenessViolation
 from digenrl.policy import trained_steps
 from digenrl.rewards.failures import FailureBudget, RewardFailing
 from digenrl.rl.advantages import GroupAssembler
+from digenrl.roles.evaluation import Evaluation, evaluation_due, evaluation_prompts
 from digenrl.rl.loss import reduce_stats
 from digenrl.roles.stop import RunInterrupted, StopRequest
-from digenrl.schedule import make_schedule
+from digenrl.schedule import PRESETS, make_schedule
 from digenrl.schedule.base import (CostEstimate, Device, DeviceDied, DeviceJoined, Role, Schedule, Token, TokenDone,
                                    TokenKind, Workload)
 from digenrl.telemetry.metrics import (LOSS_KEYS, PHASE_KEYS, StepMetrics, algorithm_fields, expert_fields,
@@ -96,6 +103,7 @@ class _Book:
     kept_rows: int = 0
     stored_at: dict[int, str] = field(default_factory=dict)
     images: dict[int, torch.Tensor] = field(default_factory=dict)
+    image_sids: dict[int, list[int]] = field(default_factory=dict)  # fragment index -> its images' sample ids
     staleness: int = 0
     components: dict[str, dict[int, float]] = field(default_factory=dict)  # reward name -> sample id -> score
     failed: int = 0  # samples scored with the failure penalty
@@ -123,7 +131,10 @@ class Coordinator:
         checkpoint: ``async (step, state) -> None`` writing a checkpoint (``None``: no checkpoints).
         checkpoint_every: optimizer steps between checkpoints.
         on_step: called with each optimizer step's metrics.
-        on_images: called with ``(step, images)`` for the steps that log sample images.
+        on_images: called with ``(step, images, prompts, rewards)`` for the steps that log their training samples
+            (``log.samples = "rollout"``).
+        on_eval: called with each fixed evaluation (:class:`~digenrl.roles.evaluation.Evaluation`) of a due version
+            (``log.samples = "fixed"``; ``None``: none is run).
         on_dispatch: called with ``(device, token)`` as each token is sent (``token`` as the actor
             receives it: ``kind``, global ``batch`` and ``version``, fragments...), e.g. to watch
             an actor start a piece of work. If it returns an awaitable, the token is sent once that
@@ -141,7 +152,8 @@ class Coordinator:
                  is_dead: Callable[[str], bool] = lambda name: False, weights_lane: str = "zmq",
                  bucket_mb: float = 64.0, checkpoint: Callable[[int, dict[str, Any]], Any] | None = None,
                  checkpoint_every: int = 1, on_step: Callable[[dict[str, Any]], None] | None = None,
-                 on_images: Callable[[int, torch.Tensor], None] | None = None,
+                 on_images: Callable[[int, torch.Tensor, list[str], list[float]], None] | None = None,
+                 on_eval: Callable[[Evaluation], None] | None = None,
                  on_dispatch: Callable[[str, dict[str, Any]], Any] | None = None, t0: float | None = None,
                  shard: str = "none", on_admit: Callable[[dict[str, Any]], None] | None = None,
                  stop: StopRequest | None = None) -> None:
@@ -161,8 +173,11 @@ class Coordinator:
         self.on_step = on_step
         self.reward_budget = FailureBudget.for_config(cfg.reward)  # stops a run whose reward keeps failing
         self.on_images = on_images
+        self.on_eval = on_eval
+        self.eval_prompts = evaluation_prompts(prompts, cfg.log.seed, cfg.log.images_per_grid)
+        self._evals: set[asyncio.Task[None]] = set()  # fixed evaluations under way
         self.on_dispatch = on_dispatch
-        self.drops_zero_std = ALGORITHMS[cfg.train.algorithm].drops_zero_std
+        self.drops_zero_std = algorithm_class(cfg.train.algorithm).drops_zero_std
         if cfg.train.control == "shuffled":
             raise ConfigError("train.control = 'shuffled' permutes advantages across the whole batch, which "
                               "a streaming (GAP) run never holds at once; use the colocated recipe for it")
@@ -179,6 +194,8 @@ class Coordinator:
             log.info("train.shard = 'fsdp': trainers do not generate (TAG off): a forward is a collective of the group")
             opts["tag"] = False
         scheduled = [d for d in self.devices if d.name not in self.followers]
+        if PRESETS[schedule_name].colocated:  # colocated-tsp: every trainer actor is a hybrid (samples, then trains)
+            scheduled = [replace(d, role=Role.HYBRID) if d.role is Role.TRAINER else d for d in scheduled]
         self.schedule: Schedule = make_schedule(schedule_name, scheduled, self.workload, cost, **opts)
         self.staleness = int(getattr(getattr(self.schedule, "opt", None), "staleness", 0))
         self.role = {d.name: d.role for d in self.devices}
@@ -238,6 +255,7 @@ class Coordinator:
                 await self._publish(self.base - 1)  # a stale resume: the next batch was started with it
             await self._publish(self.base)
             self._started.set()
+            self._launch_eval(self.base)  # the weights the run starts from
             self._launch(self.schedule.start())
             while not self.schedule.done:
                 self._check_stop()
@@ -257,8 +275,10 @@ class Coordinator:
                 for task in done:  # after the tokens: a PUBLISH done before an admission reaches the schedule first
                     if task in self._admissions:
                         self._joined(task, self._admissions.pop(task))
+            if self._evals:  # the last version's grid
+                await asyncio.gather(*self._evals)
         finally:
-            running = [*self._tasks, *self._admissions]
+            running = [*self._tasks, *self._admissions, *self._evals]
             for task in running:
                 task.cancel()
             await asyncio.gather(*running, return_exceptions=True)
@@ -356,6 +376,9 @@ class Coordinator:
             return await self._optim(token, w["batch"], book)
         if kind is TokenKind.PUBLISH:
             return await self._publish(w["version"])
+        if kind is TokenKind.SWITCH:  # a hybrid actor samples and trains with its one model: nothing to move
+            now = time.time()
+            return {"t0": now, "t1": now}
         raise StalenessViolation(f"coordinator cannot run a {kind.value} token (disaggregated schedules only)")
 
     async def _train_infos(self, book: _Book, token: Token) -> list[dict[str, Any]]:
@@ -382,6 +405,38 @@ class Coordinator:
         self._drop_failed(out)
         out.setdefault("t0", t0)
         return out
+
+    # -- the fixed evaluation (sample grids) -------------------------------------------------------
+    def _launch_eval(self, version: int) -> None:
+        if self.on_eval is not None and evaluation_due(self.cfg, version) and self.trainers:
+            task = asyncio.ensure_future(self._evaluate(version))
+            self._evals.add(task)
+            task.add_done_callback(self._evals.discard)
+
+    def _scorer(self) -> str:
+        """Who decodes and scores the evaluation: a reward actor, else a rollout actor, else the lead trainer
+        (then a TAG trainer, which holds the VAE and the reward)."""
+        alive = [d.name for d in self.devices if d.name in self.alive]
+        for role in (Role.REWARD, Role.ROLLOUT):
+            names = [n for n in alive if self.role.get(n) is role]
+            if names:
+                return names[0]
+        return self.trainers[0]
+
+    async def _evaluate(self, version: int) -> None:
+        """Version ``version``'s fixed evaluation: sampled on the lead trainer, scored by :meth:`_scorer`; a failure
+        costs its grid, never the run."""
+        try:
+            sampled = await self.refs[self.trainers[0]].sample_evaluation.call(version, self.eval_prompts)
+            scored = await self.refs[self._scorer()].score_evaluation.call(sampled["latents"], self.eval_prompts,
+                                                                        version)
+            assert self.on_eval is not None
+            self.on_eval(Evaluation.from_wire(scored))
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # an actor that died is the schedule's business; a grid is not worth a run
+            log.warning("coordinator: the fixed evaluation of version %d failed (%s: %s); no grid for it", version,
+                        type(exc).__name__, exc)
 
     def _drop_failed(self, out: dict[str, Any]) -> None:
         for name in out.get("failed", []):
@@ -428,6 +483,9 @@ class Coordinator:
                        record["t1"] + self.t0)
         log.info("coordinator: %s joined the run at version %d (holds %s)", name, record["published"][-1],
                  record["versions"])
+        if self.lost_devices:  # a worker cut off and back (or a replacement): say what it costs
+            log.warning("coordinator: %s replaces lost %s: from here this run is not the one an uninterrupted run "
+                        "gives", name, ", ".join(map(str, self.lost_devices)))
         if self.on_admit is not None:
             self.on_admit(record)
         self._launch(self.schedule.on_event(DeviceJoined(Device(name, Role.ROLLOUT))))
@@ -463,6 +521,7 @@ class Coordinator:
             await self.checkpoint(batch + 1, self.state(batch + 1))
         if self.on_step is not None:
             self.on_step(metrics)
+        self._launch_eval(batch + 1)  # queued on the lead trainer right behind this step
         # A SIGTERM seen before this step's checkpoint was decided: the run stops here (with no checkpoints
         # configured, at the first step after it).
         self._boundary = self._boundary or (terminating and bool(due or not self.checkpoint_every
@@ -518,6 +577,7 @@ class Coordinator:
                 completed += book.assembler.add(prompts, sids, rewards, comps)  # comps: {} when the call failed
             for imgs, frag in zip(result.get("images", []), token.fragments, strict=False):
                 book.images[frag.index] = imgs
+                book.image_sids[frag.index] = frag.sample_ids()
             for group in completed:
                 book.groups += 1
                 book.zero_groups += group.zero_std
@@ -573,7 +633,10 @@ class Coordinator:
             log.warning("coordinator: %s", warning)
         self.history.append(metrics)
         if book.images and self.on_images is not None:
-            self.on_images(batch, torch.cat([book.images[k] for k in sorted(book.images)]))
+            sids = [s for k in sorted(book.images) for s in book.image_sids.get(k, [])]
+            g = self.cfg.rollout.group_size
+            self.on_images(batch, torch.cat([book.images[k] for k in sorted(book.images)]),
+                           [book.prompts[s // g] for s in sids], [book.rewards.get(s, float("nan")) for s in sids])
         return metrics
 
     # -- faults --------------------------------------------------------------------------------

@@ -25,14 +25,14 @@ from digenrl.config import Config
 from digenrl.data.images import reward_inputs
 from digenrl.errors import StalenessViolation
 from digenrl.models import GeneratorModel, cat_cond, cond_to, decode_in_chunks, repeat_cond
-from digenrl.models.experts import has_experts, window_range
+from digenrl.models.experts import has_experts
 from digenrl.models.lora import sampling
 from digenrl.policy import trained_steps
+from digenrl.rl.flash import run_tail
 from digenrl.rl.forward import velocity_probe
 from digenrl.rl.noise import initial_keys, initial_latents, probe_direction, transition_noise
 from digenrl.rl.ode import ode_step
 from digenrl.rl.sde import sde_step
-from digenrl.rl.steps import plan_steps
 
 __all__ = ["FragmentData", "FragmentEngine", "Scored", "probe_velocity"]
 
@@ -172,10 +172,9 @@ class FragmentEngine:
         return frag
 
     def _plan(self, frag: FragmentData) -> Any:
-        ro = self.cfg.rollout
-        return plan_steps(ro.num_steps, frag.prompt_ids(), frag.sample_ids(), mode=ro.steps,  # type: ignore[arg-type]
-                          window=ro.window, window_range=window_range(self.model, ro), fraction=ro.fraction,
-                          seed=self.cfg.log.seed * 1_000_003 + frag.geo[0])
+        # the version that samples the fragment decides its steps (MixGRPO's window moves with it)
+        return self.algorithm.step_plan(frag.prompt_ids(), frag.sample_ids(),
+                                        self.cfg.log.seed * 1_000_003 + frag.geo[0], frag.version)
 
     def advance(self, frags: list[FragmentData], start: int, stop: int) -> None:
         """Run steps ``[start, stop)`` of ``frags`` (all at ``start``, one version) in batched forwards.
@@ -212,6 +211,10 @@ class FragmentEngine:
 
     def _advance(self, frags: list[FragmentData], start: int, stop: int) -> None:
         ro = self.cfg.rollout
+        tail = self.algorithm.ode_tail(frags[0].version)
+        if tail is not None and any(f.version != frags[0].version for f in frags):
+            raise StalenessViolation(f"one token advances fragments of versions {sorted({f.version for f in frags})}")
+        sde_stop = stop if tail is None else min(stop, tail[0])
         plans = [self._plan(f) for f in frags]
         sample_ids = [f.sample_ids() for f in frags]
         sizes = [f.num_samples for f in frags]
@@ -222,10 +225,14 @@ class FragmentEngine:
         levels = [plan.stochastic.float() * ro.noise_level for plan in plans]
         levels_here = [a.to(x.device) for a in levels]
         sigmas = self.sigmas.float().to(x.device)
-        for i in range(start, stop):
+        # a solver that takes over after the window continues from the window's last data prediction
+        x0 = torch.cat([f.x0 for f in frags]) if tail is not None and start >= tail[0] else None
+        for i in range(start, sde_stop):
             sig = sigmas[i].expand(x.shape[0])
             sig_next = sigmas[i + 1].expand(x.shape[0])
             v = self.model.velocity(x, sig, cond)
+            if tail is not None and i == tail[0] - 1:
+                x0 = x - sigmas[i] * v.float()
             outs = []
             for frag, ids, plan, level, xs, vs, ss, sn, a in zip(
                     frags, sample_ids, plans, levels, x.split(sizes), v.split(sizes), sig.split(sizes),
@@ -240,8 +247,12 @@ class FragmentEngine:
                                        "noise_level": a[idx]})
                 outs.append(out.x_next)
             x = torch.cat(outs)
-        for frag, xs in zip(frags, x.split(sizes), strict=True):
+        if tail is not None and stop > tail[0]:
+            x, x0 = run_tail(self.model.velocity, x, cond, tail[1], x0, max(start, tail[0]), stop)
+        x0s = x0.split(sizes) if x0 is not None else [None] * len(frags)
+        for frag, xs, x0f in zip(frags, x.split(sizes), x0s, strict=True):
             frag.x, frag.step = xs.contiguous(), stop
+            frag.x0 = None if x0f is None or stop == ro.num_steps else x0f.contiguous()
             if stop == ro.num_steps:
                 self._finish(frag)
 

@@ -90,6 +90,19 @@ class GenerationMixin:
         """Run a REWARD token: take, decode, score, hand transitions to trainer ``store``; returns rewards."""
         return {**await self._run_reward(token, prompts, store, images), "dropped": dropped_counts()}
 
+    @endpoint
+    async def score_evaluation(self, latents: torch.Tensor, prompts: list[str], version: int) -> dict[str, Any]:
+        """Decode and score the fixed evaluation's clean latents (``digenrl.roles.evaluation``; sampled by the lead
+        trainer) with this actor's VAE and reward, on its compute thread between its tokens; returns the
+        :class:`~digenrl.roles.evaluation.Evaluation` on the wire (uint8 pixels on the host)."""
+        from digenrl.roles.evaluation import score_evaluation
+
+        t0 = time.time()
+        engine = self.engine
+        ev = await self._compute(lambda: score_evaluation(engine.model, engine.cfg, latents.to(engine.device),
+                                                          prompts, engine.reward, version))
+        return {**ev.to_wire(), "t0": t0, "t1": time.time()}
+
     @endpoint(control=True)
     async def meet(self, peers: dict[str, Any]) -> list[str]:
         """Learn the refs of actors added to the running run (a rollout actor that joined); returns the names known."""

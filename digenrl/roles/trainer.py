@@ -456,6 +456,29 @@ class TrainerActor(GenerationMixin, Actor):
             raise ConfigError("probe_velocity: not available under train.shard = 'fsdp'; probe a rollout actor")
         return await self._compute(probe_velocity, self.engine, seed)
 
+    @endpoint
+    async def sample_evaluation(self, version: int, prompts: list[str]) -> dict[str, Any]:
+        """The fixed evaluation's clean latents of ``prompts`` at this trainer's weights, which must be ``version``
+        (:func:`digenrl.roles.evaluation.sample_evaluation`; LoRA merged and restored bit for bit, no gradients,
+        no global RNG: training is unchanged). On the compute thread, between this trainer's tokens; on the host.
+
+        Raises:
+            ConfigError: under FSDP (a forward there is a collective of the whole group).
+            StalenessViolation: this trainer holds another version.
+        """
+        if self.shard == "fsdp":
+            raise ConfigError("sample_evaluation: not available under train.shard = 'fsdp'")
+        t0 = time.time()
+        latents = await self._compute(self._sample_evaluation, version, prompts)
+        return {"latents": latents, "t0": t0, "t1": time.time()}
+
+    def _sample_evaluation(self, version: int, prompts: list[str]) -> torch.Tensor:
+        from digenrl.roles.evaluation import sample_evaluation
+
+        if version != self.version:  # checked on the compute thread: only an optimizer step there moves it
+            raise StalenessViolation(f"{self.name} holds version {self.version}; the evaluation asked for {version}")
+        return sample_evaluation(self.model, self.cfg, prompts).cpu()
+
     # -- TAG: rollout / reward / take_fragment endpoints come from GenerationMixin -------------------
 
     # -- checkpoints -----------------------------------------------------------------------------

@@ -25,6 +25,7 @@ Gradients (``train.shard``, see :func:`resolve_shard`):
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
 from collections.abc import Iterator, Sequence
@@ -32,7 +33,8 @@ from typing import Any
 
 import torch
 
-from digenrl.errors import ConfigError
+from digenrl.errors import ConfigError, TransportBroken
+from digenrl.transport.gloo_iface import gloo_env
 
 __all__ = ["SHARD_MODES", "TrainerGroup", "resolve_shard", "all_reduce_buckets", "shard_model", "row_share",
            "gathered_state_dict", "open_store", "group_backend"]
@@ -100,9 +102,19 @@ class TrainerGroup:
             raise RuntimeError("this process is already in a torch.distributed group; a trainer joins exactly one")
         host, port = address.rsplit(":", 1)
         timeout = datetime.timedelta(seconds=timeout_s)
-        if store is None:
-            store = dist.TCPStore(host, int(port), world_size, is_master=False, timeout=timeout)
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+        what = f"trainer group rank {rank} of {world_size} (rendezvous {address})"
+        # gloo: listen where the other trainers reach this host (gloo_iface), not where its name resolves.
+        listen = gloo_env(host, what) if backend == "gloo" else contextlib.nullcontext()
+        chosen = None
+        try:
+            with listen as chosen:
+                if store is None:
+                    store = dist.TCPStore(host, int(port), world_size, is_master=False, timeout=timeout)
+                dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+        except (RuntimeError, ValueError) as exc:  # DistStoreError / DistNetworkError / gloo's are RuntimeErrors
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            where = f", listening on {chosen}" if chosen is not None else ""
+            raise TransportBroken(f"{what}{where}: the group did not form: {first}") from None
         self.rank, self.world_size, self.backend, self.store = rank, world_size, backend, store
 
     @property

@@ -4,6 +4,7 @@ Every technique is a separate switch, so each can be measured alone and in combi
 schedules stack them in the order the paper introduces them::
 
     colocated      every device samples its share, switches, trains its share (hybrid engine)
+    colocated-tsp  the same hybrid devices, training TSP-packed: digenrl's own colocated loop on actors
     disaggregated  rollout and trainer devices apart, full-batch barrier (naive split)
     gap            + generation-axis pipeline: fragments stream to trainers once their groups complete
     tsp            + time-step parallelism: packed train rows, step-range rollout tokens, step batching
@@ -95,6 +96,7 @@ class ScheduleOptions:
 
 PRESETS: dict[str, ScheduleOptions] = {
     "colocated": ScheduleOptions(colocated=True),
+    "colocated-tsp": ScheduleOptions(colocated=True, tsp=True),
     "disaggregated": ScheduleOptions(),
     "gap": ScheduleOptions(gap=True),
     "tsp": ScheduleOptions(gap=True, tsp=True),

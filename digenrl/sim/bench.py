@@ -22,9 +22,9 @@ from pathlib import Path
 from typing import Any
 
 from digenrl.errors import ConfigError
-from digenrl.schedule import SCHEDULES, make_schedule
+from digenrl.schedule import PRESETS, SCHEDULES, make_schedule
 from digenrl.schedule.base import Role
-from digenrl.sim.calibration import calibrate, cost_source, fitted_source
+from digenrl.sim.calibration import calibrate, cost_source, fitted_source, schedule_params
 from digenrl.sim.decompose import decompose
 from digenrl.sim.engine import simulate
 from digenrl.sim.measured import MeasuredCost
@@ -75,6 +75,8 @@ class BubbleReport:
                     "speedup_bound": "colocated seconds per batch / (rollout + TSP-packed training device-seconds "
                                      "per batch / devices): what a bubble-free schedule could reach",
                     "colocated": "veRL-Omni's hybrid engine (the calibration run): switches and old-log-prob recompute",
+                    "colocated-tsp": "digenrl's colocated loop on actors: the same hybrid schedule, TSP-packed "
+                                     "training, no engine switch, stored log-probs (Flow-GRPO's loop + TSP)",
                     "peers": {p.name: f"{p.system}: {p.source}" for p in PEERS.values()},
                     "decomposition": "per baseline, a chain of runs changing one cause at a time up to async1; "
                                      "factor = samples/s over the previous link's (they multiply to the total)",
@@ -97,9 +99,9 @@ def simulate_pair(sc: Scenario, schedule: str, num_batches: int, planned: Planne
                               "switches, lending); measured costs (--costs) price digenrl's schedules only")
         return simulate_peer(sc, PEERS[schedule], num_batches)
     mine = planned if planned is not None and planned.schedule == schedule else None
-    colocated, split = schedule == "colocated", dict(mine.rollout) if mine else None
+    colocated, split = PRESETS[schedule].colocated, dict(mine.rollout) if mine else None
     devices, cost = (measured_placement(sc, colocated, measured, split) if measured is not None
-                     else placement(sc, colocated, rollout=split))
+                     else placement(sc, colocated, schedule_params(schedule), rollout=split))
     workload = sc.workload(num_batches)
     options = dict(mine.options) if mine else {}
     # measured on one host: its processes share its cores as the bench measured (None: each owns its compute)

@@ -28,6 +28,7 @@ time is assumed to vanish when rollout and training are split.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -124,6 +125,18 @@ def calibrate(ref: Published = PUBLISHED) -> Calibration:
 def calibrated_params() -> CostParams:
     """The frozen parameters every comparison uses."""
     return calibrate().params
+
+
+# The cost terms in which a digenrl schedule's own implementation differs from the calibration run (veRL-Omni's
+# hybrid engine, which ``colocated`` models). ``colocated-tsp`` is digenrl's colocated loop on actors: each
+# device samples and trains with one model (no engine switch) and trains on the log-probs stored at sampling
+# (no recompute), i.e. Flow-GRPO's own loop (``peers.colocated-flowgrpo``) with TSP-packed training.
+OWN_COSTS: dict[str, dict[str, object]] = {"colocated-tsp": {"old_logprob_passes": 0.0, "phase_switches": False}}
+
+
+def schedule_params(schedule: str) -> CostParams:
+    """The frozen parameters as ``schedule`` (a name of ``SCHEDULES``) pays them: :data:`OWN_COSTS` applied."""
+    return dataclasses.replace(calibrated_params(), **OWN_COSTS.get(schedule, {}))  # type: ignore[arg-type]
 
 
 def fitted_source(params: CostParams | None = None) -> str:

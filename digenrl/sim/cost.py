@@ -8,7 +8,9 @@ model, device and schedule. Nothing here knows which schedule is running.
 
 Per token (``F`` = one transformer pass of one sample, ``profiles.ModelProfile.forward_flops``):
 
-- ROLLOUT: samples x steps x cfg_rollout x F, plus the prompt encodings when the trajectory starts.
+- ROLLOUT: samples x steps x cfg_rollout x F, plus the prompt encodings when the trajectory starts. Under a
+  sliding window with a compressed tail (``profiles.ModelProfile.window``) only the token's steps below the
+  version's forward count run a forward: the rollout's cost moves with the window.
 - REWARD: samples x (VAE decode + reward model), both counted FLOPs; the reward model at its own
   utilisation (``mfu_reward``, fitted to veRL-Omni's sync vs async reward step times).
 - TRAIN: rows x cfg_train x (``TRAIN_PASSES`` + the algorithm's no-grad forwards per row) x F; TSP-packed rows
@@ -197,7 +199,7 @@ class CostModel:
         if kind is TokenKind.ROLLOUT or kind is TokenKind.REWARD or kind is TokenKind.TRAIN:
             # The compute part depends on a few integers only; a 1024-GPU run asks for the same
             # shapes hundreds of thousands of times (the engine and the schedule's speed tracker).
-            key = (kind, device.name, token.num_samples, token.step_start == 0, token.step_end - token.step_start,
+            key = (kind, device.name, token.num_samples, token.step_start == 0, self._steps(token),
                    token.transitions, token.packed,
                    sum(f.num_prompts for f in token.fragments) if kind is TokenKind.ROLLOUT and token.step_start == 0 else 0)
             base = self._memo.get(key)
@@ -206,12 +208,20 @@ class CostModel:
             return base + self._pull(token, device) if token.sources else base
         return self._seconds(token, device, spec)
 
+    def _steps(self, token: Token) -> int:
+        """Denoising steps of a token that run a forward (a ROLLOUT token of a moving window: those below its
+        version's forward count; any other token: its step range)."""
+        window = self.profile.window
+        if window is None or token.kind is not TokenKind.ROLLOUT:
+            return token.step_end - token.step_start
+        return window.forwards_in(token.policy_version, token.step_start, token.step_end)
+
     def _seconds(self, token: Token, device: Device, spec: DeviceSpec) -> float:
         """``seconds`` without the latents pulled from other devices."""
         kind = token.kind
         p, k = self.params, self._k
         if kind is TokenKind.ROLLOUT:
-            steps = token.step_end - token.step_start
+            steps = self._steps(token)
             flops = token.num_samples * steps * k["roll"]
             if token.step_start == 0 and k["text"]:
                 flops += sum(f.num_prompts for f in token.fragments) * k["text"]
@@ -309,7 +319,8 @@ class CostModel:
         a dedicated trainer runs it: with the algorithm's no-grad forwards, and ``trainer_old_logprob_passes`` when
         the modelled system recomputes log-probs the rows carry)."""
         p, prof = self.params, self.profile
-        roll = samples * num_steps * prof.cfg_rollout * prof.forward_flops + prompts * prof.text_flops
+        steps = num_steps if prof.window is None else prof.window.mean_forwards()  # a moving window: its cycle's mean
+        roll = samples * steps * prof.cfg_rollout * prof.forward_flops + prompts * prof.text_flops
         roll += samples * prof.decode_flops
         reward = self._compute(samples * prof.reward_flops, spec, self._mfu_reward)
         train = trained_rows * self.row_passes(Role.TRAINER) * self._k["train"]

@@ -9,8 +9,9 @@ splitting rollout from training may cost more than it gains against a lean coloc
 Chains:
 
 - from ``colocated`` (veRL-Omni's hybrid engine): old-log-prob recompute removed; engine switches
-  removed (= ``colocated-flowgrpo``); timestep packing; rollout/trainer split with pipelining (reward
-  and generation overlap training, staleness 1, TAG), i.e. ``async1``;
+  removed (= ``colocated-flowgrpo``); timestep packing (= ``colocated-tsp``, digenrl's colocated loop);
+  rollout/trainer split with pipelining (reward and generation overlap training, staleness 1, TAG), i.e.
+  ``async1``;
 - from ``colocated-flowgrpo``: the last two links;
 - from ``verl-omni-async``: aborts on weight sync removed; recompute removed; step-range tokens and
   packed training (= ``unirl``); trainer-assisted generation (= ``async1``);
@@ -24,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from digenrl.schedule.options import PRESETS
+from digenrl.sim.calibration import OWN_COSTS
 from digenrl.sim.peers import PEERS, Peer, simulate_peer
 from digenrl.sim.scenarios import Scenario
 from digenrl.telemetry.stats import summarize
@@ -49,7 +51,9 @@ def _variant(base: Peer, name: str, options: Any = None, cost: dict[str, object]
 _VERL_COLOCATED = Peer("colocated", "veRL-Omni colocated (hybrid engine)", PRESETS["colocated"], {}, False,
                        "verl-omni docs/algo/performance.md (the calibration run)")
 _FLOWGRPO = PEERS["colocated-flowgrpo"]
-_FLOWGRPO_TSP = _variant(_FLOWGRPO, "colocated-flowgrpo+tsp", dataclasses.replace(_FLOWGRPO.options, tsp=True))
+# Flow-GRPO's loop with TSP-packed training is digenrl's own colocated-tsp schedule (its bench row is reused)
+_FLOWGRPO_TSP = Peer("colocated-tsp", "digenrl colocated-tsp", PRESETS["colocated-tsp"], OWN_COSTS["colocated-tsp"],
+                     False, "this project")
 _ASYNC1 = Peer("async1", "digenrl", PRESETS["async1"], {}, False, "this project")
 _VERL_ASYNC = PEERS["verl-omni-async"]
 _NO_ABORTS = _variant(_VERL_ASYNC, "verl-omni-async, no aborts", sync_aborts=False)

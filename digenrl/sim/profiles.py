@@ -31,6 +31,7 @@ from digenrl.errors import ConfigError
 from digenrl.sim.flops import (EDIT_VAE_IMAGE_AREA, SPATIAL_FACTOR, SampleShape, default_variant, edit_image_tokens,
                                forward_flops, param_count, variant_config)
 from digenrl.sim.reward_models import OFF_DEVICE, PUBLISHED, reward_models
+from digenrl.sim.window import SlidingWindow
 
 __all__ = ["ModelProfile", "ModelSpec", "RewardSpec", "RowCost", "TRAJECTORY_ROWS", "PROFILES", "ARCH_OF_MODEL", "profile",
            "model_profile", "vae_decode_flops", "count_vae_decode_flops", "lora_params", "clean_sample_rows",
@@ -277,6 +278,8 @@ class ModelProfile:
         params: transformer parameters when they are not the published count (a cut model: the memory
             plan's count); 0 = ``param_count(arch, variant)``.
         rows: what the training algorithm adds per row and ships per sample (:class:`RowCost`).
+        window: a sliding SDE window whose rollout runs fewer forwards than steps, changing with the version
+            (MixGRPO-Flash: :class:`~digenrl.sim.window.SlidingWindow`); None: every step runs a forward.
     """
 
     name: str
@@ -292,6 +295,7 @@ class ModelProfile:
     layers: int = 0
     params: int = 0
     rows: RowCost = TRAJECTORY_ROWS
+    window: SlidingWindow | None = None
 
     @property
     def size(self) -> str:

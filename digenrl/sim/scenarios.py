@@ -24,6 +24,14 @@ draws, each row a forward + backward plus the no-grad forwards of its loss (``pr
 - The SD3.5-M recipe on 8 H800 trainers and 4 L40S that only sample (the cheap GPUs' share of an NFT batch is
   small: its training is ~5x its rollout).
 
+MixGRPO scenarios (``kind = "window"``, ALGORITHMS-FORWARD §2, Tencent-Hunyuan/MixGRPO's FLUX scripts): FLUX.1-dev
+at 720^2, 32 prompts x G 12, 25 steps, the SDE in a window of 4 steps (4 trained transitions per sample), full
+fine-tune, on the reference's 32 GPUs (as H800). MixGRPO runs all 25 forwards whatever the window; Flash runs the
+window's end plus a DPM-Solver tail of 0.4x the remaining steps: 11 forwards at start 0, up to 24 at start 19
+(``digenrl/sim/window.py``). The recipe moves the window every 20 optimizer steps; the scenario moves it every
+batch, so the simulated run's 20 batches cross the whole cycle (each start's batches cost what they cost in the
+recipe; the run's mean is the cycle's).
+
 Disaggregated split: for a homogeneous testbed the rollout/trainer split balances one batch's rollout
 device-seconds against its training device-seconds under the fixed cost model
 (``n_rollout = round(N * R / (R + T))``, at least one of each). The heterogeneous testbed splits by
@@ -45,6 +53,7 @@ from digenrl.sim.cost import CostModel, CostParams
 from digenrl.sim.devices import DeviceSpec, device_spec
 from digenrl.sim.measured import MeasuredCost
 from digenrl.sim.profiles import ModelProfile, RowCost, clean_sample_rows, profile
+from digenrl.sim.window import SlidingWindow
 
 __all__ = ["Scenario", "PlannedSplit", "SCENARIOS", "scenario", "placement", "measured_placement",
            "balanced_split"]
@@ -70,6 +79,7 @@ class Scenario:
         rows: what the recipe's algorithm adds per row and ships per sample (None: the profile's, Flow-GRPO's).
         recipe: where the recipe comes from (the profile's ``recipe`` when it is changed).
         config: the shipped config (``configs/<config>.toml``) the planner plans it with; ``""`` = the model's.
+        window: a sliding SDE window whose rollout forwards move with the version (None: every step runs one).
     """
 
     name: str
@@ -86,15 +96,16 @@ class Scenario:
     rows: RowCost | None = None
     recipe: str = ""
     config: str = ""
+    window: SlidingWindow | None = None
 
     @property
     def profile(self) -> ModelProfile:
-        """The model's paper recipe at this scenario's size (with the scenario's CFG passes and rows)."""
+        """The model's paper recipe at this scenario's size (with the scenario's CFG passes, rows and window)."""
         prof = profile(self.model, self.variant)
-        if not self.passes and self.rows is None:
+        if not self.passes and self.rows is None and self.window is None:
             return prof
         return replace(prof, cfg_rollout=self.passes or prof.cfg_rollout, cfg_train=self.passes or prof.cfg_train,
-                       rows=self.rows or prof.rows, recipe=self.recipe or prof.recipe)
+                       rows=self.rows or prof.rows, recipe=self.recipe or prof.recipe, window=self.window)
 
     @property
     def num_devices(self) -> int:
@@ -179,12 +190,29 @@ def _forward() -> list[Scenario]:
             _nft("hetero-sd3-nft", "sd3", sd3, (("H800", 8), ("L40S", 4)), _SD3_NFT, rollout_pool="L40S")]
 
 
+_MIXGRPO = "Tencent-Hunyuan/MixGRPO scripts/finetune/finetune_flux_grpo_MixGRPO*.sh (FLUX.1-dev, 25 steps, W 4)"
+
+
+def _window() -> list[Scenario]:
+    """The MixGRPO scenarios of the module docstring: the window moving every batch (the recipe: every 20-25)."""
+    batch, pools = (32, 12, 25, 4), (("H800", 32),)
+    out = []
+    for name, window in (("flux-mixgrpo-32", SlidingWindow(25, 4, 1)), ("flux-mixflash-32", SlidingWindow(25, 4, 1, 0.4))):
+        forwards = [window.forwards(v) for v in range(window.positions)]
+        recipe = (f"{_MIXGRPO}{', Flash 0.4' if window.tail_ratio else ''}; {min(forwards)}..{max(forwards)} rollout "
+                  f"forwards a sample as the window moves, mean {window.mean_forwards():.1f}")
+        out.append(Scenario(name, "flux", *batch, pools, kind="window", recipe=recipe, config="flux_mixgrpo",
+                            window=window))
+    return out
+
+
 SCENARIOS: dict[str, Scenario] = {
     s.name: s
     for s in [
         *_paper(),
         Scenario("hetero-flux", "flux", 32, 12, 16, 9, (("H800", 8), ("L40S", 16)), rollout_pool="L40S", kind="hetero"),
         *_forward(),
+        *_window(),
         *_scaling(),
     ]
 }

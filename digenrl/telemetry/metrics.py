@@ -4,7 +4,8 @@
 fields, so two runs can be compared line by line. ``metrics.jsonl`` holds one
 :meth:`StepMetrics.line` per optimizer step (flat JSON: the per-component rewards become
 ``reward/<name>`` keys; ``bubble_ratio`` stays a map with one entry per actor and ``overall``).
-:class:`MetricsLog` writes the file and, when asked, TensorBoard scalars.
+:class:`MetricsLog` writes the file and, when asked, TensorBoard and W&B (``log.wandb``) the same numbers and
+the sample grids (docs/logging.md).
 """
 
 from __future__ import annotations
@@ -163,18 +164,22 @@ def parity_warning(line: dict[str, Any], tolerance: float) -> str | None:
 
 
 class MetricsLog:
-    """``metrics.jsonl`` (appended and flushed per step) and optional TensorBoard scalars.
+    """``metrics.jsonl`` (appended and flushed per step), optional TensorBoard event files and a W&B run.
 
     Args:
         out: the run directory (``None``: keep nothing on disk).
-        tensorboard: also write TensorBoard event files under ``out/tb``.
+        tensorboard: also write TensorBoard event files under ``out/tb``: every number of each line as a scalar,
+            and the sample grids (:meth:`image`) as images.
         history: lines of the steps already done (a resumed run rewrites them first, so the file
             never holds a step twice).
+        wandb: a started :class:`~digenrl.telemetry.wandb_log.WandbLog` that gets the same (``log.wandb``).
     """
 
-    def __init__(self, out: Path | None, tensorboard: bool = False, history: list[dict[str, Any]] | None = None) -> None:
+    def __init__(self, out: Path | None, tensorboard: bool = False, history: list[dict[str, Any]] | None = None,
+                 wandb: Any = None) -> None:
         self.path = out / "metrics.jsonl" if out is not None else None
         self._tb: Any = None
+        self._wandb = wandb
         if self.path is not None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             with self.path.open("w") as f:
@@ -190,13 +195,30 @@ class MetricsLog:
                             "under %s. Install it with `pip install tensorboard` (setup.sh does), or set "
                             "log.tensorboard = false", exc, out / "tb")
 
+    @classmethod
+    def for_run(cls, log_cfg: Any, config: dict[str, Any], out: Path | None,
+                history: list[dict[str, Any]] | None = None) -> MetricsLog:
+        """The run's log as its ``[log]`` table asks (``log.tensorboard``, ``log.wandb``; nothing of either
+        without ``out``).
+
+        Raises:
+            ConfigError: ``log.wandb = true`` without W&B installed, or W&B could not start its run.
+        """
+        wandb = None
+        if log_cfg.wandb and out is not None:
+            from digenrl.telemetry.wandb_log import WandbLog
+
+            wandb = WandbLog(out, config, project=log_cfg.wandb_project, entity=log_cfg.wandb_entity,
+                             mode=log_cfg.wandb_mode)
+        return cls(out, log_cfg.tensorboard, history, wandb=wandb)
+
     def write(self, metrics: dict[str, Any]) -> None:
         """Append one step's line (and its scalars)."""
         if self.path is not None:
             with self.path.open("a") as f:
                 f.write(json.dumps(metrics) + "\n")
+        step = int(metrics["step"])
         if self._tb is not None:
-            step = int(metrics["step"])
             for key, value in metrics.items():
                 if isinstance(value, int | float) and not isinstance(value, bool):
                     self._tb.add_scalar(key, value, step)
@@ -204,11 +226,28 @@ class MetricsLog:
                     for sub, v in value.items():
                         if isinstance(v, int | float):
                             self._tb.add_scalar(f"{key}/{sub}", v, step)
+        if self._wandb is not None:
+            self._wandb.log(metrics, step)
+
+    def image(self, tag: str, array: Any, step: int, caption: str = "",
+              scalars: dict[str, float] | None = None) -> None:
+        """A sample grid (``[H, W, 3]`` uint8) at ``step``, with its ``scalars`` (e.g. ``eval/reward_mean``), to
+        TensorBoard and W&B (``metrics.jsonl`` holds training steps only; the grid's JSON holds its numbers)."""
+        if self._tb is not None:
+            self._tb.add_image(tag, array, step, dataformats="HWC")
+            for key, value in (scalars or {}).items():
+                self._tb.add_scalar(key, value, step)
+            self._tb.flush()
+        if self._wandb is not None:
+            self._wandb.image(tag, array, step, caption, scalars)
 
     def close(self) -> None:
         if self._tb is not None:
             self._tb.close()
             self._tb = None
+        if self._wandb is not None:
+            self._wandb.close()
+            self._wandb = None
 
 
 def algorithm_fields(stats: dict[str, float], step_terms: dict[str, float]) -> dict[str, float]:

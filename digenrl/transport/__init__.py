@@ -17,10 +17,12 @@ a process using only ``inproc`` does not import pyzmq.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from digenrl.transport.base import Message, PeerListener, Transport
-from digenrl.transport.codec import PROTOCOL_VERSION, CodecOptions, decode, encode
+
+if TYPE_CHECKING:
+    from digenrl.transport.codec import PROTOCOL_VERSION, CodecOptions, decode, encode
 
 __all__ = [
     "PROTOCOL_VERSION",
@@ -35,6 +37,16 @@ __all__ = [
 ]
 
 KINDS = ("inproc", "zmq", "cuda_ipc")
+_CODEC_NAMES = ("PROTOCOL_VERSION", "CodecOptions", "decode", "encode")
+
+
+def __getattr__(name: str) -> Any:
+    # The codec imports torch (seconds); importing the runtime for an actor that sends no tensor must not.
+    if name in _CODEC_NAMES:
+        from digenrl.transport import codec
+
+        return getattr(codec, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def make_transport(kind: str, address: str | None = None, **options: Any) -> Transport:

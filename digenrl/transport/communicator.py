@@ -45,6 +45,7 @@ from typing import Any, TypeVar
 import torch
 
 from digenrl.errors import ProtocolError, TransportBroken, TransportClosed
+from digenrl.transport.gloo_iface import gloo_device
 # The interface lives in its own file so that the implementations (nccl.py) import it without a circle.
 from digenrl.transport.group import COMM_KINDS, Communicator, GroupSpec
 
@@ -76,7 +77,12 @@ class GlooCommunicator(Communicator):
         try:
             self._store: Any = dist.TCPStore(host.strip("[]"), int(port), None, False, timeout=timeout)
             prefix = dist.PrefixStore(f"digenrl-g{spec.generation}-{spec.uid.hex()}", self._store)
-            self._pg: Any = dist.ProcessGroupGloo(prefix, rank, spec.world, timeout)
+            # Listen where the other members reach us (gloo's own default, the host name's address, is
+            # often loopback: a group across hosts would never form); see gloo_iface.
+            options = dist.ProcessGroupGloo._Options()
+            options._devices = [gloo_device(host, f"gloo group generation {spec.generation} rank {rank}")]
+            options._timeout, options._threads = timeout, 2
+            self._pg: Any = dist.ProcessGroupGloo(prefix, rank, spec.world, options)
         except (RuntimeError, ValueError) as exc:  # DistStoreError / DistNetworkError are RuntimeErrors
             raise TransportBroken(f"gloo group generation {spec.generation}: rank {rank} could not join "
                                   f"{spec.address} within {spec.timeout_s:g} s: {exc}") from exc

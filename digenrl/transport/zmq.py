@@ -55,7 +55,7 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from digenrl.errors import ProtocolError, TransportBroken, TransportClosed
+from digenrl.errors import KeysRefused, ProtocolError, TransportBroken, TransportClosed
 from digenrl.transport import _shm, codec
 from digenrl.transport._stale import sweep_stale_once
 from digenrl.transport.curve import ClusterKeys, require_keys, start_authenticator
@@ -67,6 +67,7 @@ __all__ = ["ZmqTransport"]
 log = logging.getLogger(__name__)
 
 _COUNTER = itertools.count()
+_MONITORS = itertools.count()
 _LOOPBACK = ("127.", "localhost", "[::1]", "::1")
 _HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
                      | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
@@ -237,7 +238,7 @@ class ZmqTransport(Transport):
             if curve is not None:
                 self._res.auth = start_authenticator(self._res.ctx, curve)  # before the bind, or all get in
                 curve.serve(self._router)
-                self._auth_monitor = self._router.get_monitor_socket(_HANDSHAKE_FAILED | zmq.EVENT_MONITOR_STOPPED)
+                self._auth_monitor = _monitor(self._router, _HANDSHAKE_FAILED | zmq.EVENT_MONITOR_STOPPED)
                 self._res.sockets.append(self._auth_monitor)
             try:
                 self._router.bind(address)
@@ -391,7 +392,7 @@ class ZmqTransport(Transport):
         sock.setsockopt(zmq.IDENTITY, self._ident)
         if self._curve is not None:
             self._curve.connect(sock)
-        monitor = sock.get_monitor_socket(_MONITOR_EVENTS)
+        monitor = _monitor(sock, _MONITOR_EVENTS)
         self._res.sockets.append(monitor)
         sock.connect(dst)
         use_shm = self._shm is True or (self._shm == "auto" and _same_host(dst))
@@ -427,7 +428,7 @@ class ZmqTransport(Transport):
                     return
                 elif kind & _HANDSHAKE_FAILED:
                     keys = f"the keys in {self._curve.path}" if self._curve is not None else "no keys"
-                    self._mark_broken(peer, TransportBroken(
+                    self._mark_broken(peer, KeysRefused(
                         f"{peer.dst} refused the connection: CURVE handshake failed with {keys} (both sides need "
                         "the same `transport.keys`; create them with `digenrl keys create PATH`)"))
                     return
@@ -584,6 +585,17 @@ def _handshake_failure(event: int, code: int) -> str:
     if code == zmq.PROTOCOL_ERROR_ZMTP_CRYPTOGRAPHIC:
         return "holding another cluster's keys (its server key is not this one's)"
     return "whose CURVE handshake failed (no or wrong keys)"
+
+
+def _monitor(sock: zmq.Socket[Any], events: int) -> zmq.asyncio.Socket:
+    """A monitor socket for ``sock`` on an inproc endpoint no other socket of the process ever had.
+
+    pyzmq's default endpoint is named after the socket's file descriptor, and libzmq unbinds a closed
+    socket's monitor only after it freed that descriptor: a socket opened meanwhile gets the same
+    number, and its monitor's bind fails with EADDRINUSE ("Address already in use"). A driver opening
+    a link to a worker that rejoined after a blip (its old link just closed) lost its reply that way.
+    """
+    return sock.get_monitor_socket(events, addr=f"inproc://digenrl-monitor-{os.getpid()}-{next(_MONITORS)}")
 
 
 def _send_now(sock: zmq.Socket[Any], frames: list[Any]) -> bool:

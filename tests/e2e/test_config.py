@@ -48,7 +48,7 @@ def test_shipped_config_loads_with_overrides() -> None:
         ("reward.weights={aesthetic=1.0}", r"reward.models.aesthetic.path: the 'aesthetic' reward needs it"),
         ("reward.weights={remote=1.0}", r"reward.url: must be set when 'remote' is weighted"),
         ("data.prompt_set=imagenet", r"data.prompt_set: 'imagenet' is not allowed; allowed: 'color', 'simple', 'shapes', 'ocr'"),
-        ("schedule.name=magic", r"schedule.name: 'magic' is not allowed; allowed: 'colocated', 'disaggregated'"),
+        ("schedule.name=magic", r"schedule.name: 'magic' is not allowed; allowed: 'colocated', 'colocated-tsp', 'disaggregated'"),
         ("schedule.mode=colocated", r"schedule.mode: renamed to schedule.name"),
         ("placement.processes=1", r"placement.processes: removed"),
         ("transport.kind=inproc", r"transport.kind: removed"),
@@ -75,6 +75,8 @@ def test_shipped_config_loads_with_overrides() -> None:
         ("transport.address=inproc://x", r"transport.address: must be an address starting with tcp:// or ipc://"),
         ("transport.actors=inproc;transport.address=tcp://127.0.0.1:0", r"transport.address: must be an address starting with inproc://"),
         ("schedule.name=gap;placement.rollout=0", r"placement.rollout = 0 needs a schedule with TAG \(tag, async1\), not 'gap'"),
+        ("schedule.name=colocated-tsp", r"schedule.name = 'colocated-tsp' runs placement.trainer actors that each "
+                                        r"sample and train; set placement.rollout = 0 \(got 1\)"),
     ],
 )
 def test_bad_values_name_the_key_and_the_allowed_values(override: str, message: str) -> None:
@@ -101,7 +103,7 @@ def test_actor_settings_load_with_overrides() -> None:
     off = load_config(TINY, ["schedule.name=colocated", "schedule.step_chunk=0"])
     assert not off.disaggregated and "step_chunk" not in off.schedule_options
     assert load_config(TINY).disaggregated and not Config().disaggregated and Config().schedule_options == {}
-    assert ACTOR_SCHEDULES == ("disaggregated", "gap", "tsp", "tag", "async1")
+    assert ACTOR_SCHEDULES == ("colocated-tsp", "disaggregated", "gap", "tsp", "tag", "async1")
     # Trainers generate everything when there is no rollout actor (TAG).
     assert load_config(TINY, ["placement.rollout=0"]).placement.rollout == 0
 

@@ -14,34 +14,15 @@ from pathlib import Path
 import psutil
 import pytest
 
-from digenrl.config import Config, config_from_dict, load_config
+from digenrl.config import load_config
 from digenrl.recipes.checkpoint import find_checkpoint
-from digenrl.recipes.colocated import train
 from digenrl.recipes.disaggregated import arun_disaggregated
 from digenrl.policy import trained_steps
+from tests.e2e._tiny import SCHEDULES, run_schedule as _run, tiny_config as _cfg
 
-SCHEDULES = ["colocated", "disaggregated", "gap", "tsp", "tag", "async1"]
 CONFIG = Path(__file__).resolve().parents[2] / "configs" / "tiny-qwenimage.toml"
 
 
-def _cfg(algorithm: str, schedule: str, **tables: dict) -> Config:
-    data = {
-        "model": {"name": "qwenimage", "preset": "tiny", "resolution": [32, 32], "text_len": 32},
-        "rollout": {"num_steps": 4, "group_size": 2, "prompts_per_batch": 2},
-        "train": {"algorithm": algorithm, "iterations": 2, "lr": 1e-3},
-        "log": {"image_every": 0, "checkpoint_every": 0},
-        "schedule": {"name": schedule},
-        "transport": {"actors": "inproc"},
-    }
-    for name, table in tables.items():
-        data[name] = {**data.get(name, {}), **table}
-    return config_from_dict(data)
-
-
-async def _run(cfg: Config, out: Path | None = None, **kw: object) -> list[dict]:
-    if cfg.schedule.name == "colocated":
-        return train(cfg, out_dir=out, write_files=out is not None, **kw)  # type: ignore[arg-type]
-    return await arun_disaggregated(cfg, out, write_files=out is not None, **kw)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("algorithm", ["nft", "awm"])

@@ -88,13 +88,17 @@ def test_step_modes_through_the_recipe(mode: str, rows_per_sample: int) -> None:
     assert m["approx_kl"] < 1e-10 and m["grad_norm"] > 0
 
 
-# The forward-process algorithms with bench/learning_algorithms.py's settings (its SETTINGS, pinned here so the
-# measured margins stay valid when the bench or the config moves), on 8 prompts x 8 samples per iteration.
-_FORWARD = {
+# The other algorithms: the forward-process ones with bench/learning_algorithms.py's settings (its SETTINGS, pinned
+# here so the measured margins stay valid when the bench or the config moves), MixGRPO with its window moving every
+# 3 optimizer steps (starts 0, 1, 2, 3 of a 6-step grid); 8 prompts x 8 samples per iteration.
+_ALGORITHMS = {
     "nft": ["train.algorithm=nft", "train.lr=3e-4", "nft.kl_beta=0.1", "nft.beta=1.0", "nft.levels=0", "nft.decay=1",
             "rollout.num_steps=3", "rollout.solver=dpm2"],
     "awm": ["train.algorithm=awm", "train.lr=3e-4", "awm.kl_beta=0.03", "awm.ema_beta=1.0", "awm.levels=2",
             "awm.level_fraction=0.9", "rollout.num_steps=6", "rollout.solver=dpm2"],
+    "mixgrpo": ["train.algorithm=mixgrpo", "rollout.num_steps=6", "mixgrpo.window=2", "mixgrpo.shift_every=3"],
+    "mixgrpo_flash": ["train.algorithm=mixgrpo", "rollout.num_steps=6", "mixgrpo.window=2", "mixgrpo.shift_every=3",
+                      "mixgrpo.flash=true"],
 }
 
 
@@ -110,10 +114,10 @@ def _fixed_reward(run) -> float:  # noqa: ANN001
         return float(run.reward.score(m.decode(x), prompts).mean())
 
 
-def _forward_gain(algorithm: str, control: str, iters: int = 10) -> float:
+def _gain(algorithm: str, control: str, iters: int = 10) -> float:
     from digenrl.recipes.colocated import iteration
 
-    cfg = load_config(TINY, [*_FORWARD[algorithm], f"train.iterations={iters}", f"train.control={control}",
+    cfg = load_config(TINY, [*_ALGORITHMS[algorithm], f"train.iterations={iters}", f"train.control={control}",
                              "log.seed=0", "placement.threads=1", "rollout.group_size=8", "rollout.prompts_per_batch=8"])
     torch.manual_seed(0)
     run = setup(cfg)
@@ -123,14 +127,16 @@ def _forward_gain(algorithm: str, control: str, iters: int = 10) -> float:
     return _fixed_reward(run) - start
 
 
-@pytest.mark.parametrize("algorithm", ["nft", pytest.param("awm", marks=pytest.mark.slow)])
-def test_forward_process_algorithm_learns_beside_its_shuffled_control(algorithm: str) -> None:
+@pytest.mark.parametrize("algorithm", ["nft", *(pytest.param(a, marks=pytest.mark.slow)
+                                                for a in ("awm", "mixgrpo", "mixgrpo_flash"))])
+def test_each_algorithm_learns_beside_its_shuffled_control(algorithm: str) -> None:
     """10 iterations raise the fixed evaluation, clearly more than with the advantages shuffled (no reward link).
 
     Measured (this test's settings, seeds 0/1/2, fixed-evaluation gain / shuffled control): nft +0.088 / -0.024,
-    +0.070 / +0.016, +0.072 / -0.024; awm +0.070 / -0.026, +0.057 / +0.007, +0.065 / -0.012. Thresholds at about
-    half the worst seed's, so another CPU's rounding (a different trajectory) still passes.
+    +0.070 / +0.016, +0.072 / -0.024; awm +0.070 / -0.026, +0.057 / +0.007, +0.065 / -0.012; mixgrpo +0.068 /
+    -0.031, +0.082 / -0.010, +0.090 / +0.007; mixgrpo_flash (seed 0) +0.072 / -0.021. Thresholds at about half
+    the worst seed's, so another CPU's rounding (a different trajectory) still passes.
     """
-    gain, control = _forward_gain(algorithm, "none"), _forward_gain(algorithm, "shuffled")
+    gain, control = _gain(algorithm, "none"), _gain(algorithm, "shuffled")
     assert gain > 0.03, gain
     assert gain > control + 0.025, (gain, control)

@@ -41,7 +41,9 @@ async def test_joins_are_reported_and_missing_workers_fail_after_join_timeout(ca
             if proc.returncode is None and system.node is None:
                 proc.kill()
     assert await asyncio.wait_for(proc.wait(), 30) == 0  # the worker let go when the system closed
-    assert f"worker 1 of 2 joined from {socket.gethostname()} (pid {proc.pid})" in caplog.messages
+    # Host and address: a host name alone does not say which interface the worker serves on.
+    assert f"worker 1 of 2 joined from {socket.gethostname()} ({worker.address}, pid {proc.pid})" in caplog.messages
+    assert worker.address.startswith("tcp://127.0.0.1:")
     assert str(info.value) == (
         f"1 of 2 workers joined within 0.5 s (hosts: {socket.gethostname()} x1); start the missing ones with "
         f"`digenrl worker --join {system.address}` on each host, or lower placement.workers / raise "

@@ -46,9 +46,11 @@ def test_user_scenario_runs_in_bench_bubbles(tmp_path: Path) -> None:
 
 
 def _assert_fits(cfg, cand) -> None:
-    check_memory(placed_config(cfg, cand.rollout, cand.trainer, cand.tag_steps, cand.fragment_groups, cand.rows_per_pass))
+    check_memory(placed_config(cfg, cand.rollout, cand.trainer, cand.tag_steps, cand.fragment_groups, cand.rows_per_pass,
+                               cand.train_pack, cand.schedule))  # (colocated-tsp: every device samples and trains)
 
 
+@pytest.mark.slow  # ~90 s on 2 cores (the colocated-tsp candidate adds an exact memory check)
 def test_planner_never_returns_a_placement_that_does_not_fit() -> None:
     # Qwen-Image: an RTX 4090 (24 GB) cannot hold even its weights (41 GB); the H800s hold both roles
     cfg = load_config(CONFIGS / "qwenimage.toml")

@@ -282,3 +282,27 @@ def test_a_colocated_forward_process_step_trains_on_its_device(family: Family) -
     adv = group_advantages(torch.tensor([0.2, 0.9, 0.4, 0.1]), torch.arange(2).repeat_interleave(g))
     sums = colocated._backward(run, rows, cond, adv.advantages)
     assert sums and _grads_on_meta(run.model)
+
+
+# -- MixGRPO-Flash: the SDE window, then a DPM-Solver tail whose state travels with the fragment ------------------
+
+async def test_a_flash_fragment_continues_its_tail_on_its_device(family: Family) -> None:
+    flash = Family({**family.conf, "train": {"algorithm": "mixgrpo", "check_parity": True},
+                    "mixgrpo": {"window": 1, "flash": True}}, family.prompts)
+    host = await _actor(flash, RolloutActor, "rollout-0")
+    device_rollout = await _actor(flash, RolloutActor, "rollout-1")
+    try:
+        frag = host.engine.fresh(GEO, 0, flash.prompts)
+        host.engine.advance([frag], 0, 2)  # the window (step 0) and the tail's first step: x0 rides along
+        assert frag.x0 is not None
+        host.engine.fragments[frag.key] = frag
+        _to_meta(device_rollout.engine.model)
+        device_rollout.peers = {"rollout-0": host}
+        moved = await device_rollout._obtain(GEO, "rollout-0", 0, flash.prompts, 2)
+        device_rollout.engine.advance([moved], 2, STEPS)
+        rows = moved.transitions()
+        assert moved.step == STEPS and moved.x.device.type == "meta" and rows["x"].device.type == "meta"
+        assert rows["step"].tolist() == [0] * moved.num_samples  # the window's transition, its index on the host
+    finally:
+        await host.__cleanup__(None)
+        await device_rollout.__cleanup__(None)

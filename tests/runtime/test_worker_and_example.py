@@ -76,7 +76,8 @@ async def test_worker_exits_when_the_system_dies() -> None:
     async with ActorSystem(address="tcp://127.0.0.1:0", heartbeat_interval=0.2, heartbeat_timeout=3.0,
                            shutdown_timeout=2.0) as system:
         proc = await asyncio.create_subprocess_exec(
-            *digenrl_command("worker", "--join", system.address, "--name", "orphan", "--allow", "_actors:Counter"),
+            *digenrl_command("worker", "--join", system.address, "--name", "orphan", "--allow", "_actors:Counter",
+                             "--join-deadline", "5"),
             env=_env(),
             stdin=subprocess.DEVNULL, stderr=subprocess.PIPE)
         try:
@@ -94,3 +95,5 @@ async def test_worker_exits_when_the_system_dies() -> None:
             stderr = (await proc.stderr.read()).decode() if proc.stderr else ""
     assert code == 1, stderr  # orphaned, not a clean shutdown
     assert "step=orphaned" in stderr and "[shutdown] Actor a: step=closed" in stderr
+    # It tried to rejoin (the default: the link might come back), and gave up at its deadline.
+    assert "joining it again as a fresh worker" in stderr and "did not take this worker within 5 s" in stderr

@@ -22,7 +22,9 @@ DIS = [Device("r0", Role.ROLLOUT), Device("r1", Role.ROLLOUT), Device("t0", Role
 
 
 def test_schedule_names_stack_techniques() -> None:
-    assert SCHEDULES == ("colocated", "disaggregated", "gap", "tsp", "tag", "async1")
+    assert SCHEDULES == ("colocated", "colocated-tsp", "disaggregated", "gap", "tsp", "tag", "async1")
+    packed = make_schedule("colocated-tsp", [Device("h", Role.HYBRID)], W)
+    assert (packed.opt.colocated, packed.opt.tsp, packed.opt.gap, packed.opt.tag) == (True, True, False, False)
     s = make_schedule("async1", DIS, W)
     assert (s.opt.gap, s.opt.tsp, s.opt.tag, s.opt.staleness) == (True, True, True, 1)
     alone = make_schedule("disaggregated", DIS, W, tag=True)

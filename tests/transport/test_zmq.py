@@ -190,6 +190,30 @@ async def test_gc_and_failed_construction_release_sockets() -> None:
         await first.aclose()
 
 
+async def test_links_to_peers_that_come_and_go_always_open() -> None:
+    """A sender whose peers leave and new ones arrive (a worker rejoining after a blip, at a new port)
+    reaches every new one: its monitor sockets never collide on a reused file descriptor's name
+    (pyzmq's default, which failed with "Address already in use" and lost the driver's join reply)."""
+    sender = make_transport("zmq", "tcp://127.0.0.1:0", heartbeat_s=0.1, heartbeat_timeout_s=0.5)
+    broken: list[str] = []
+    sender.add_peer_listener(lambda peer, err: broken.append(peer))
+    try:
+        for i in range(150):
+            peer = make_transport("zmq", "tcp://127.0.0.1:0")
+            try:
+                await sender.send(peer.address, {"op": "hello", "n": i})
+                assert (await asyncio.wait_for(peer.recv(), 5)).header["n"] == i
+            finally:
+                await peer.aclose()
+            for _ in range(100):  # its disconnect seen: the sender closed that link's sockets
+                if peer.address in broken:
+                    break
+                await asyncio.sleep(0.01)
+            sender.forget_peer(peer.address)
+    finally:
+        await sender.aclose()
+
+
 async def test_hung_peer_is_detected_by_heartbeats() -> None:
     """A peer that stops answering (SIGSTOP: the kernel keeps its socket open) misses ZMTP pings."""
     proc = subprocess.Popen([sys.executable, "-c", _CHILD, "tcp://127.0.0.1:0"], stdout=subprocess.PIPE, text=True)
