@@ -29,6 +29,7 @@ from digenrl.sim.cost import CostModel
 from digenrl.sim.flops import SampleShape, forward_flops
 from digenrl.sim.measured import AllReduce
 from digenrl.sim.profiles import RowCost, clean_sample_rows
+from digenrl.sim.window import SlidingWindow
 
 __all__ = ["Measurement", "ConfigProfile", "TokenBench", "Progress"]
 
@@ -84,6 +85,7 @@ class ConfigProfile:
     latent_bytes: int
     cond_bytes: int
     rows: RowCost
+    window: SlidingWindow | None = None  # MixGRPO's moving window: its rollout forwards change with the version
 
     @property
     def text_flops(self) -> float:
@@ -288,13 +290,14 @@ class TokenBench:
         cond = sum(t.numel() * t.element_size() for t in frag.cond.values())
         coupled = self.algorithm.coupled
         rows = RowCost(self.nograd_forwards) if coupled else clean_sample_rows(self.nograd_forwards)
+        window = self.algorithm.rollout_window(self.cfg)  # MixGRPO's, priced per version
         return ConfigProfile(
             f"{self.cfg.model.name} {self.cfg.model.preset}", self.arch, self.shape, self.passes, self.passes,
             sum(p.numel() for p in self.params), float(text), reward_flops(self.cfg.reward), self.pass_flops,
             self.decode_flops,
             sum(t.numel() * t.element_size() for t in state),
             sum(p.numel() * p.element_size() for p in m.transformer.parameters()), 4 * int(np.prod(m.latent_shape)),
-            cond, rows)
+            cond, rows, window if isinstance(window, SlidingWindow) else None)
 
     # -- a training row ------------------------------------------------------------------------------
     def train_rows(self, rows: int) -> tuple[Any, dict[str, torch.Tensor], torch.Tensor]:

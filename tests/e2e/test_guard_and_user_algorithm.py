@@ -66,7 +66,8 @@ async def test_grpo_guard_actors_train_what_the_colocated_loop_trains() -> None:
     keys = ("reward_mean", "policy_loss", "grad_norm", "ratio_dev", "adv_abs_mean")
     for a, b in zip(colocated, actors, strict=True):
         assert {k: b[k] for k in keys} == pytest.approx({k: a[k] for k in keys}, rel=1e-4, abs=1e-7)
-    assert colocated[0]["policy_loss"] != 0.0
+    # (on-policy the policy loss sums to ~0: the ratio is 1 and the advantages have zero mean; the gradient does not)
+    assert colocated[0]["grad_norm"] > 0.0
 
 
 @pytest.mark.parametrize("schedule", _schedules())
