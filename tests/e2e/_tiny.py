@@ -4,11 +4,19 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from digenrl.config import Config, config_from_dict
 from digenrl.recipes.colocated import train
 from digenrl.recipes.disaggregated import arun_disaggregated
 
 SCHEDULES = ["colocated", "disaggregated", "gap", "tsp", "tag", "async1"]
+
+
+def every_schedule() -> list:
+    """SCHEDULES for parametrize: colocated and async1 in every run, the others with the slow tests (the suite's
+    time budget; the schedules themselves are tested apart from any algorithm)."""
+    return [s if s in ("colocated", "async1") else pytest.param(s, marks=pytest.mark.slow) for s in SCHEDULES]
 
 
 def tiny_config(algorithm: str, schedule: str, **tables: dict) -> Config:

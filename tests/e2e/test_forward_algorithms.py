@@ -18,7 +18,7 @@ from digenrl.config import load_config
 from digenrl.recipes.checkpoint import find_checkpoint
 from digenrl.recipes.disaggregated import arun_disaggregated
 from digenrl.policy import trained_steps
-from tests.e2e._tiny import SCHEDULES, run_schedule as _run, tiny_config as _cfg
+from tests.e2e._tiny import every_schedule, run_schedule as _run, tiny_config as _cfg
 
 CONFIG = Path(__file__).resolve().parents[2] / "configs" / "tiny-qwenimage.toml"
 
@@ -26,7 +26,7 @@ CONFIG = Path(__file__).resolve().parents[2] / "configs" / "tiny-qwenimage.toml"
 
 
 @pytest.mark.parametrize("algorithm", ["nft", "awm"])
-@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("schedule", every_schedule())
 async def test_every_schedule_trains_every_row_of_every_sample(algorithm: str, schedule: str) -> None:
     cfg = _cfg(algorithm, schedule, train={"check_parity": True})  # async1: parity of stale rows too
     history = await _run(cfg)

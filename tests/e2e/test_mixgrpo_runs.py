@@ -13,7 +13,7 @@ import pytest
 
 from digenrl.config import Config, load_config
 from digenrl.errors import ConfigError
-from tests.e2e._tiny import SCHEDULES, run_schedule as _run, tiny_config
+from tests.e2e._tiny import every_schedule, run_schedule as _run, tiny_config
 
 CONFIG = Path(__file__).resolve().parents[2] / "configs" / "tiny-qwenimage.toml"
 
@@ -24,7 +24,7 @@ def _cfg(schedule: str, flash: bool = True, **tables: dict) -> Config:
                        **tables)
 
 
-@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("schedule", every_schedule())
 async def test_every_schedule_trains_the_window_of_every_sample(schedule: str) -> None:
     history = await _run(_cfg(schedule))
     assert [m["step"] for m in history] == [0, 1]
