@@ -290,6 +290,12 @@ def _colocated_or_split(unique: list[Candidate], hybrid: Candidate, tolerance: f
     mine = f"{HYBRID} on {'+'.join(f'{n}x{t}' for t, n in hybrid.trainer.items())}"
     theirs = f"the best {schedule} placement ({best.split}, {best.samples_per_s:.3f} samples/s)"
     gain = best.samples_per_s / hybrid.samples_per_s - 1.0 if hybrid.samples_per_s else float("inf")
+    if best.shipped and hybrid.samples_per_s <= best.samples_per_s * (1.0 + tolerance):
+        # the placement the config runs now stays first unless no split is predicted faster beyond the error
+        unique.append(hybrid)
+        return (f"kept the shipped placement ({best.split}) first: {mine} ({hybrid.samples_per_s:.3f} samples/s) is "
+                f"predicted {hybrid.samples_per_s / best.samples_per_s:.2f}x it, within the simulator's measured "
+                f"error ({tolerance:.1%})")
     if gain <= tolerance:
         unique.insert(0, hybrid)
         within = f", within the simulator's measured error ({tolerance:.1%})" if gain > 0 else ""

@@ -27,7 +27,8 @@ def test_plan_check_runs_every_split_and_reads_the_verdict_off_the_measurements(
     # the planner's first choice first, the shipped placement and both splits of 2 devices among those run
     assert rows[0]["split"] == check["plan"]["candidates"][0]["split"]
     assert any(r["shipped"] for r in rows)
-    assert {r["split"] for r in rows} == {"rollout 1xmeasured / trainer 1xmeasured", "rollout 0 / trainer 2xmeasured"}
+    assert {r["split"] for r in rows} == {"rollout 1xmeasured / trainer 1xmeasured", "rollout 0 / trainer 2xmeasured",
+                                          "colocated-tsp 2xmeasured (each samples, trains)"}  # and no split
     assert check["tolerance"] == 0.02  # the error on the ratio of two splits, what the planner compares
     measured = [r["measured_samples_per_s"] for r in rows]
     assert all(m > 0 for m in measured) and all(len(r["samples_per_s_runs"]) == 1 for r in rows)
