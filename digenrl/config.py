@@ -271,9 +271,10 @@ class RolloutConfig:
 class TrainConfig:
     """``[train]``: loss, advantages and optimizer."""
 
-    # What the run trains with (digenrl/algorithms): "flow_grpo" (policy gradient over the rollout's SDE
-    # transitions), "nft" (DiffusionNFT) or "awm" (Advantage Weighted Matching): forward-process methods whose
-    # rollout ships only clean samples; their own keys are in [nft] / [awm].
+    # What the run trains with (digenrl/algorithms, docs/algorithms.md): on the rollout's SDE transitions
+    # "flow_grpo", "mixgrpo" (a moving SDE window, [mixgrpo]) or "grpo_guard" ([guard]); on clean samples
+    # "nft" (DiffusionNFT, [nft]) or "awm" (Advantage Weighted Matching, [awm]); or your own class,
+    # "path/to/file.py:ClassName" (examples/algorithms/reward_weighted.py).
     algorithm: str = "flow_grpo"
     iterations: int = 30  # optimizer steps of the run (one batch each)
     lr: float = 3e-4  # AdamW learning rate
