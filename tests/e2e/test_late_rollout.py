@@ -40,7 +40,7 @@ def _worker(address: str, name: str) -> subprocess.Popen[bytes]:
                             stderr=subprocess.PIPE)
 
 
-@pytest.mark.parametrize("lane", ["zmq", "gloo"])
+@pytest.mark.parametrize("lane", ["zmq", pytest.param("gloo", marks=pytest.mark.slow)])  # ~25 s each
 async def test_rollout_actor_joining_mid_run_gets_the_current_version_before_its_first_token(
         tmp_path: Path, lane: str) -> None:
     address = f"ipc://{tmp_path}/run.ipc"

@@ -208,6 +208,7 @@ def _running(driver: subprocess.Popen[str], out: Path) -> list[psutil.Process]:
     return procs
 
 
+@pytest.mark.slow  # ~19 s; the Ray run and a lost actor stay in every run
 def test_ctrl_c_of_the_driver_removes_every_process_of_the_run(tmp_path: Path) -> None:
     driver = _driver(tmp_path, "log.checkpoint_every=0")
     try:
@@ -245,6 +246,7 @@ def _ray_stop(procs: list[psutil.Process], grace: float = 1.0) -> None:
                 p.kill()
 
 
+@pytest.mark.slow  # ~17 s
 def test_ray_stop_mid_run_stops_it_with_a_resume_hint_and_leaves_no_process(tmp_path: Path) -> None:
     driver = _driver(tmp_path, "log.checkpoint_every=1")
     try:

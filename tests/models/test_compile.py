@@ -13,6 +13,7 @@ from digenrl.policy import build_model
 CONF = {"model": {"name": "qwenimage", "preset": "tiny"}}
 
 
+@pytest.mark.slow  # ~50 s: inductor compiles the tiny transformer (model.compile is opt-in)
 def test_a_compiled_transformer_gives_the_eager_velocity_and_gradients(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
     eager, _ = build_model(config_from_dict(CONF))

@@ -73,6 +73,7 @@ def test_a_changed_checkpoint_or_a_wrong_model_is_refused(tmp_path: Path) -> Non
         load_config(TINY, ["model.vae_init=signal"])
 
 
+@pytest.mark.slow  # ~18 s: two pretraining runs
 def test_pretrain_is_deterministic(tmp_path: Path) -> None:
     """Two short pretrains with the same seed write byte-identical checkpoints (and the recipe says so)."""
     digests = []

@@ -93,6 +93,7 @@ def test_real_bench_measures_colocated_the_pair_ceiling_and_async1(tmp_path) -> 
     assert (tmp_path / "gantt-real.png").is_file()
 
 
+@pytest.mark.slow  # ~30 s: a real bench run
 def test_real_bench_writes_the_plan_costs_it_measured(tmp_path) -> None:
     """costs version 3 in bubbles.json: each figure against what the runs' own traces (or the model) say."""
     import statistics
