@@ -25,6 +25,7 @@ import select
 import signal
 import socket
 import time
+from collections.abc import Awaitable, Callable
 
 from digenrl.actors import _agent
 from digenrl.actors.allowlist import AllowList
@@ -98,36 +99,53 @@ async def run_worker(
     if listen is None and join.startswith("tcp://"):
         listen = "tcp://127.0.0.1:0"
     options = {"curve": keys} if keys is not None else {}
+
+    def new_node() -> Node:  # a fresh node each try: a failed one has marked the system dead and closed its link
+        return Node(make_transport(transport, listen, **options), name=name)
+
+    async def serve(node: Node, answer_in: float) -> str:
+        return await _join_and_serve(node, join, name, token, answer_in, parent_timeout, allow, defer_signals_to)
+
     while True:
-        end = time.monotonic() + join_deadline
-        tries = 0
-        while True:
-            tries += 1
-            # A fresh node each try: a failed one has marked the system dead and closed its link.
-            node = Node(make_transport(transport, listen, **options), name=name)
-            # A try ends with the deadline (a system gone for good is not waited on past it), but is never
-            # cut below a few seconds (a system that is there answers a join in well under that).
-            answer_in = min(join_timeout, max(_MIN_TRY_S, end - time.monotonic())) if join_deadline else join_timeout
-            try:
-                reason = await _join_and_serve(node, join, name, token, answer_in, parent_timeout, allow,
-                                               defer_signals_to)
-                break
-            except KeysRefused:
-                raise
-            except (TransportBroken, ActorDied, TimeoutError) as exc:
-                left = end - time.monotonic()
-                if left <= 0:
-                    raise TimeoutError(f"the system at {join} did not take this worker within {join_deadline:g} s "
-                                       f"({tries} tries; last: {exc})") if join_deadline else exc from None
-                log.warning("worker %s: the system at %s is not reachable yet (%s); trying again, %.0f s left",
-                            name, join, exc, left)
-            finally:
-                await _close(node, name, shutdown_timeout)
-            await asyncio.sleep(min(_RETRY_S, max(0.0, end - time.monotonic())))
+        reason = await _join_with_retries(join, name, new_node, serve, join_deadline, join_timeout, shutdown_timeout)
         if reason != "orphaned" or not rejoin:
             return reason
         log.warning("worker %s: lost the link to the system at %s; joining it again as a fresh worker (for up to "
                     "%g s); a running run takes it as a new rollout actor", name, join, join_deadline)
+
+
+async def _join_with_retries(join: str, name: str, new_node: Callable[[], Node],
+                             serve: Callable[[Node, float], Awaitable[str]], join_deadline: float, join_timeout: float,
+                             shutdown_timeout: float) -> str:
+    """Join and serve on a fresh node, trying again until ``join_deadline`` while the system is unreachable;
+    returns why serving stopped.
+
+    Raises:
+        KeysRefused: at once (a refusal is final).
+        TimeoutError: the deadline passed without the system taking this worker (or the one try's error).
+    """
+    end = time.monotonic() + join_deadline
+    tries = 0
+    while True:
+        tries += 1
+        node = new_node()
+        # A try ends with the deadline (a system gone for good is not waited on past it), but is never cut below
+        # a few seconds (a system that is there answers a join in well under that).
+        answer_in = min(join_timeout, max(_MIN_TRY_S, end - time.monotonic())) if join_deadline else join_timeout
+        try:
+            return await serve(node, answer_in)
+        except KeysRefused:
+            raise
+        except (TransportBroken, ActorDied, TimeoutError) as exc:
+            left = end - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"the system at {join} did not take this worker within {join_deadline:g} s "
+                                   f"({tries} tries; last: {exc})") if join_deadline else exc from None
+            log.warning("worker %s: the system at %s is not reachable yet (%s); trying again, %.0f s left",
+                        name, join, exc, left)
+        finally:
+            await _close(node, name, shutdown_timeout)
+        await asyncio.sleep(min(_RETRY_S, max(0.0, end - time.monotonic())))
 
 
 _RETRY_S = 2.0  # between join tries: a driver still importing takes tens of seconds; a link back takes as long

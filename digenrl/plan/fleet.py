@@ -218,18 +218,24 @@ def plan_fleet(cfg: Config, pools: tuple[Pool, ...], *, top: int = 5, batches: i
         notes.append(moving)
     notes.append("rows_per_pass: the largest the trainer memory allows (capped at a training token's rows); "
                  "the simulator's cost does not depend on it")
+    shown, split_best = _shown(unique, top, shipped, hybrid, per_split)
+    return FleetPlan(shown, search.simulations, search.unused, notes, split_best,
+                     cost_source(fitted, measured, params),
+                     _profile_json(fitted, workload.trained_steps) if measured is None else None)
+
+
+def _shown(unique: list[Candidate], top: int, shipped: Candidate | None, hybrid: Candidate | None,
+           per_split: bool) -> tuple[list[Candidate], list[Candidate]]:
+    """The best ``top`` plus what the config runs now and no split (to compare with); with ``per_split`` also the
+    best of every split."""
     shown = unique[:top]
-    for always in (shipped, hybrid):  # always shown: what the config runs now, and no split, to compare with
-        if always is not None and always not in shown:
-            shown.append(always)
+    shown += [c for c in (shipped, hybrid) if c is not None and c not in shown]
     split_best: list[Candidate] = []
     if per_split:
         for c in unique:
             if c is not hybrid and all(b.ident[:2] != c.ident[:2] for b in split_best):
                 split_best.append(c)
-    return FleetPlan(shown, search.simulations, search.unused, notes, split_best,
-                     cost_source(fitted, measured, params),
-                     _profile_json(fitted, workload.trained_steps) if measured is None else None)
+    return shown, split_best
 
 
 def _pricing(cfg: Config, traces: Traces, measured: MeasuredCost | None,

@@ -28,6 +28,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import psutil
+
 __all__ = ["Host", "Hosts", "Proc", "unavailable", "make_hosts", "sweep_leftovers"]
 
 PREFIX = "dgmh"  # every namespace and veth this suite makes starts with it
@@ -200,7 +202,7 @@ def sweep_leftovers() -> None:
     listing = _ip("netns", "list", check=False).stdout
     for line in listing.splitlines():
         match = re.match(rf"({PREFIX}(\d+)x\d+[ab])\b", line)
-        if match is None or _alive(int(match.group(2))):
+        if match is None or psutil.pid_exists(int(match.group(2))):
             continue
         name = match.group(1)
         for pid in map(int, _ip("netns", "pids", name, check=False).stdout.split()):
@@ -209,13 +211,3 @@ def sweep_leftovers() -> None:
             except ProcessLookupError:
                 pass
         _ip("netns", "del", name, check=False)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
