@@ -8,16 +8,26 @@ from pathlib import Path
 
 import pytest
 
+from digenrl.transport.curve import create_keys
 from tests.multihost.netns import Hosts, make_hosts, unavailable
+from tests.multihost.runs import Placed
 
 _WHY_NOT = unavailable()
 
 
+# Under pytest-xdist each group runs on one worker, in file order: the tests sharing ``placed``'s runs (or a
+# module's own hosts and Ray cluster) meet them made once.
+_GROUPS = {"test_two_hosts": "placed", "test_ray_two_nodes": "placed"}
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     here = Path(__file__).parent
     for item in items:
         if here in Path(str(item.fspath)).parents:
             item.add_marker(pytest.mark.multihost)
+            module = Path(str(item.fspath)).stem
+            item.add_marker(pytest.mark.xdist_group(f"multihost-{_GROUPS.get(module, module)}"))
             if _WHY_NOT is not None:
                 item.add_marker(pytest.mark.skip(reason=_WHY_NOT))
 
@@ -34,6 +44,18 @@ def hosts(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Hosts]:
         report = getattr(request.node, "rep_call", None)
         if report is not None and report.failed:
             print(made.logs())
+        made.close()
+
+
+@pytest.fixture(scope="session")
+def placed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Placed]:
+    """Runs shared by every test that compares placements (see :class:`Placed`), on hosts of their own that
+    live for the session. A failed run's assertion carries every process's log tail."""
+    root = tmp_path_factory.mktemp("placed")
+    made = make_hosts(root / "logs")
+    try:
+        yield Placed(made, create_keys(root / "keys"), root)
+    finally:
         made.close()
 
 

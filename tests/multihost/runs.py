@@ -64,15 +64,37 @@ def run_placed(hosts: Hosts, driver: Host, actors: Sequence[Host], out: Path, ke
     proc = start_driver(driver, out, keys, f"placement.workers={len(actors)}", *sets)
     join = f"tcp://{driver.address}:{PORT}"
     wait_for(proc, "waiting up to", 120, hosts)
+    workers = []
     for k, host in enumerate(actors):
-        start_worker(host, join, keys, f"{out.name}-w{k}", env=(envs or [None] * len(actors))[k])
+        workers.append(start_worker(host, join, keys, f"{out.name}-w{k}", env=(envs or [None] * len(actors))[k]))
         wait_for(proc, f"worker {k + 1} of {len(actors)} joined", 120, hosts)
     code = proc.wait(timeout)
     assert code == 0, f"the driver exited {code}:\n{hosts.logs()}"
-    for host in hosts.hosts:
-        for worker in host.procs[1 if host is driver else 0:]:
-            assert worker.wait(30) == 0, f"{worker.argv[:4]} exited {worker.popen.returncode}:\n{hosts.logs()}"
+    for worker in workers:
+        assert worker.wait(30) == 0, f"{worker.argv[:4]} exited {worker.popen.returncode}:\n{hosts.logs()}"
     return metrics(out)
+
+
+class Placed:
+    """Runs of the tiny default across one pair of hosts, each made once and asked for by placement.
+
+    ``placed("a:ab", "transport.weights=gloo")``: the driver on A, actor 0 (a trainer) on A, actor 1 on B, with
+    those settings. Tests that compare placements share the runs (the suite's time is the runs' start-up); each
+    is made when first asked for, one at a time, in its own output directory."""
+
+    def __init__(self, hosts: Hosts, keys: Path, root: Path) -> None:
+        self.hosts, self.keys, self.root = hosts, keys, root
+        self._made: dict[tuple[str, tuple[str, ...]], list[dict]] = {}
+
+    def __call__(self, placement: str, *sets: str) -> list[dict]:
+        key = (placement, sets)
+        if key not in self._made:
+            driver, actors = placement.split(":")
+            by_name = {"a": self.hosts.a, "b": self.hosts.b}
+            out = self.root / f"run{len(self._made)}-{driver}-{actors}"
+            self._made[key] = run_placed(self.hosts, by_name[driver], [by_name[h] for h in actors], out, self.keys,
+                                         *sets)
+        return self._made[key]
 
 
 def metrics(out: Path) -> list[dict]:

@@ -20,7 +20,6 @@ def keys(tmp_path: Path) -> Path:
     return create_keys(tmp_path / "keys")
 
 
-@pytest.mark.slow
 def test_workers_started_before_the_driver_wait_for_it(hosts: Hosts, keys: Path, tmp_path: Path) -> None:
     """Both workers first (a launcher starting everything at once), the driver 3 s later: they keep trying
     (--join-deadline, 120 s by default) and the run completes."""
@@ -35,7 +34,6 @@ def test_workers_started_before_the_driver_wait_for_it(hosts: Hosts, keys: Path,
     assert [m["step"] for m in metrics(tmp_path / "run")] == [0, 1]
 
 
-@pytest.mark.slow
 def test_a_rollout_worker_cut_off_by_a_link_blip_rejoins(hosts: Hosts, keys: Path, tmp_path: Path) -> None:
     """B's link down until its worker gives the system up, then up: the worker joins again as rollout-1, the run
     (the trainer generating meanwhile) loses no step and says it is no longer an uninterrupted run's; SIGTERM then

@@ -17,6 +17,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
@@ -25,28 +26,38 @@ import pytest
 from digenrl.recipes.checkpoint import find_checkpoint, load_state
 from digenrl.transport.curve import create_keys
 from tests.conftest import child_env
-from tests.multihost.netns import Host, Hosts, Proc
-from tests.multihost.runs import computed, metrics, start_driver, wait_for
+from tests.multihost.netns import Host, Hosts, Proc, make_hosts
+from tests.multihost.runs import Placed, computed, metrics, start_driver, wait_for
 
 pytest.importorskip("ray", reason="the Ray launcher needs the [ray] extra: pip install -e '.[ray]'")
 
 RAY_PORT = 6379
 
 
-@pytest.fixture
-def keys(tmp_path: Path) -> Path:
-    return create_keys(tmp_path / "keys")
+@dataclass
+class RayHosts:
+    """Hosts A and B with a Ray head on A and a node on B, the run's CURVE keys and a directory for outputs."""
+
+    hosts: Hosts
+    keys: Path
+    root: Path
 
 
-@pytest.fixture
-def ray_tmp() -> Iterator[Path]:
-    """The Ray nodes' --temp-dir parent: short (Ray's unix sockets live under it, 108 bytes at most) and removed
-    at the end. Request it before ``hosts``: it is then removed after every process in the hosts is gone."""
-    path = Path(tempfile.mkdtemp(prefix="dgr", dir="/tmp"))
+@pytest.fixture(scope="module")
+def ray_hosts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RayHosts]:
+    """One two-node cluster for the module (its tests run in file order: the last kills B's raylet).
+
+    The nodes' --temp-dir parent is short (Ray's unix sockets live under it, 108 bytes at most) and is removed
+    after every process in the hosts is gone."""
+    root = tmp_path_factory.mktemp("ray")
+    ray_tmp = Path(tempfile.mkdtemp(prefix="dgr", dir="/tmp"))
+    hosts = make_hosts(root / "logs")
     try:
-        yield path
+        start_ray(hosts, root, ray_tmp)
+        yield RayHosts(hosts, create_keys(root / "keys"), root)
     finally:
-        shutil.rmtree(path, ignore_errors=True)
+        hosts.close()
+        shutil.rmtree(ray_tmp, ignore_errors=True)
 
 
 def ray_env(tmp_path: Path) -> dict[str, str]:
@@ -129,28 +140,22 @@ def wait_steps(out: Path, n: int, driver: Proc, hosts: Hosts, timeout: float = 2
         time.sleep(0.3)
 
 
-@pytest.mark.slow
-def test_ray_spread_over_two_hosts_computes_what_one_host_does(ray_tmp: Path, hosts: Hosts, keys: Path,
-                                                               tmp_path: Path) -> None:
+def test_ray_spread_over_two_hosts_computes_what_one_host_does(ray_hosts: RayHosts, placed: Placed) -> None:
     """SPREAD puts trainer-0 and rollout-0 on different hosts, and the run equals the one-host run bit for bit."""
-    a = hosts.a
-    one = start_driver(a, tmp_path / "one", keys)  # the local launcher, everything on A
-    assert one.wait(240) == 0, hosts.logs()
-    start_ray(hosts, tmp_path, ray_tmp)
-    driver = ray_driver(a, tmp_path / "ray", keys)
+    hosts, out = ray_hosts.hosts, ray_hosts.root / "spread"
+    driver = ray_driver(hosts.a, out, ray_hosts.keys)
     on_a, on_b = wait_roles(hosts, driver)
     assert len(on_a) == len(on_b) == 1, (on_a, on_b)  # a bundle on each host
     assert driver.wait(240) == 0, hosts.logs()
-    assert computed(metrics(tmp_path / "ray")) == computed(metrics(tmp_path / "one"))
+    assert computed(metrics(out)) == computed(placed("a:aa"))
 
 
-@pytest.mark.slow
-def test_ray_faults_on_host_b(ray_tmp: Path, hosts: Hosts, keys: Path, tmp_path: Path) -> None:
+def test_ray_faults_on_host_b(ray_hosts: RayHosts) -> None:
     """kill -9 of host B's workers (rollout-0 there): its work re-issued, the run completes, no step lost or
     doubled. Then host B's raylet killed under the trainer: the run stops in order, one line saying which node
     died, with an intact checkpoint of its last step."""
+    hosts, keys, tmp_path = ray_hosts.hosts, ray_hosts.keys, ray_hosts.root
     a, b = hosts.a, hosts.b
-    start_ray(hosts, tmp_path, ray_tmp)
     out = tmp_path / "killed"
     driver = ray_driver(a, out, keys, "train.iterations=4", "placement.trainer_resources={host_a=1}",
                         "placement.rollout_resources={host_b=1}")

@@ -1,5 +1,7 @@
 """The tiny default across two hosts (network namespaces, see netns.py), CURVE on: the same numbers as on one host,
-over the zmq and gloo weight lanes, with two trainers on two hosts, and gloo finding its interface untold."""
+over the zmq and gloo weight lanes, with two trainers on two hosts, and gloo finding its interface untold.
+
+The comparisons share their runs (``placed``, made once each); the runs' start-up is the suite's time."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ import pytest
 from digenrl.transport.curve import create_keys
 from tests.conftest import child_env
 from tests.multihost.netns import Hosts
-from tests.multihost.runs import assert_close, computed, run_placed, start_driver, start_worker, wait_for
+from tests.multihost.runs import Placed, assert_close, computed, start_driver, start_worker, wait_for
 
 
 @pytest.fixture
@@ -45,52 +47,30 @@ def test_hosts_reach_each_other_and_leave_nothing_behind(tmp_path: Path) -> None
     assert not any(name in _ip("link", "show").stdout for name in names)
 
 
-def test_a_short_run_across_two_hosts_with_gloo_weights(hosts: Hosts, keys: Path, tmp_path: Path) -> None:
-    """CI's one two-host run: driver + trainer on A, rollout on B, CURVE on, the weights over gloo without
-    GLOO_SOCKET_IFNAME (its interface found from the route to the trainer): both steps train, every process exits 0."""
-    a, b = hosts.a, hosts.b
-    lines = run_placed(hosts, a, [a, b], tmp_path / "run", keys, "transport.weights=gloo")
-    assert [m["step"] for m in lines] == [0, 1] and [m["rows_trained"] for m in lines] == [64, 64]
-    assert lines[1]["grad_norm"] > 0 and lines[1]["max_staleness"] <= 1
-    # The driver's log names where each worker serves from, and says when (timestamped lines).
-    log = hosts.a.procs[0].log.read_text()
-    assert re.search(rf"^\d{{4}}-\d\d-\d\d \d\d:\d\d:\d\d,\d+ INFO .*worker 2 of 2 joined from \S+ "
-                     rf"\(tcp://{re.escape(b.address)}:\d+, pid \d+\)$", log, re.MULTILINE), log
-
-
-@pytest.mark.slow
-def test_rollout_on_the_other_host_computes_what_one_host_does(hosts: Hosts, keys: Path, tmp_path: Path) -> None:
-    """Driver + trainer on A and rollout on B, then the reverse, equal the run with everything on A, bit for bit."""
-    a, b = hosts.a, hosts.b
-    one_host = computed(run_placed(hosts, a, [a, a], tmp_path / "one", keys))
-    assert computed(run_placed(hosts, a, [a, b], tmp_path / "ab", keys)) == one_host
-    assert computed(run_placed(hosts, b, [b, a], tmp_path / "ba", keys)) == one_host
+def test_rollout_on_the_other_host_computes_what_one_host_does(placed: Placed) -> None:
+    """Driver + trainer on A and rollout on B, then the reverse, equal the run with everything on A, bit for bit;
+    the driver's log names where each worker serves from, and says when (timestamped lines)."""
+    one_host = computed(placed("a:aa"))
+    assert computed(placed("a:ab")) == one_host
+    assert computed(placed("b:ba")) == one_host
     assert one_host[1]["grad_norm"] > 0 and [m["rows_trained"] for m in one_host] == [64, 64]
+    log = next(p for p in placed.hosts.b.procs if p.log.name.endswith("-b-ba-driver.log")).log.read_text()
+    assert re.search(rf"^\d{{4}}-\d\d-\d\d \d\d:\d\d:\d\d,\d+ INFO .*worker 2 of 2 joined from \S+ "
+                     rf"\(tcp://{re.escape(placed.hosts.a.address)}:\d+, pid \d+\)$", log, re.MULTILINE), log
 
 
-@pytest.mark.slow
-def test_gloo_weights_across_hosts_without_gloo_socket_ifname(hosts: Hosts, keys: Path, tmp_path: Path) -> None:
-    """transport.weights = gloo with the rollout actor on B learns what the zmq lane does (it hung before: gloo
-    bound 127.0.0.1, the address the host name resolves to here)."""
-    a, b = hosts.a, hosts.b
-    zmq = computed(run_placed(hosts, a, [a, b], tmp_path / "zmq", keys))
-    gloo = computed(run_placed(hosts, a, [a, b], tmp_path / "gloo", keys, "transport.weights=gloo"))
-    assert_close(gloo, zmq, 1e-6, 1e-9)
+def test_gloo_weights_and_two_trainers_across_hosts_without_gloo_socket_ifname(placed: Placed) -> None:
+    """Trainer-0 on A, trainer-1 and the rollout actor on B, the weights over gloo: both the trainer group's
+    all-reduce and the weight lane cross the hosts, neither told GLOO_SOCKET_IFNAME (gloo bound 127.0.0.1, the
+    address the host name resolves to here, and hung). It learns what both trainers on A with the zmq lane do:
+    which trainer trains which token depends on timing, so the summed gradients agree to rounding."""
+    two = ("placement.trainer=2",)
+    across = placed("a:abb", *two, "transport.weights=gloo")
+    assert [m["step"] for m in across] == [0, 1] and [m["rows_trained"] for m in across] == [64, 64]
+    assert across[1]["grad_norm"] > 0 and across[1]["max_staleness"] <= 1
+    assert_close(computed(across), computed(placed("a:aaa", *two)), 1e-5, 1e-7)
 
 
-@pytest.mark.slow
-def test_two_trainers_on_two_hosts_equal_two_on_one(hosts: Hosts, keys: Path, tmp_path: Path) -> None:
-    """DDP across hosts (the trainer group's gloo all-reduce, no GLOO_SOCKET_IFNAME) against both trainers on A.
-
-    Which trainer trains which token depends on timing, so the summed gradients agree to rounding."""
-    a, b = hosts.a, hosts.b
-    sets = ("placement.trainer=2",)
-    one = computed(run_placed(hosts, a, [a, a, a], tmp_path / "one", keys, *sets))
-    two = computed(run_placed(hosts, a, [a, b, a], tmp_path / "two", keys, *sets))
-    assert_close(two, one, 1e-5, 1e-7)
-
-
-@pytest.mark.slow
 def test_a_trainer_group_that_cannot_form_fails_fast_in_one_line(hosts: Hosts, keys: Path, tmp_path: Path) -> None:
     """trainer-1 on B told to listen on loopback (GLOO_SOCKET_IFNAME=lo): one line naming the addresses, within
     seconds, and no process of the run left on either host."""
