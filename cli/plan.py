@@ -22,7 +22,7 @@ GB = 1e9
 def format_plan(plan: MemoryPlan) -> str:
     """A readable table: one column per role, one row per kind of memory (GB per device)."""
     roles = list(plan.roles.values())
-    rows = [("devices", lambda r: f"{r.devices} x {r.device}"),
+    rows = [("devices", lambda r: f"{r.devices} x {r.device}" + (f" sp{r.sp}" if r.sp > 1 else "")),  # sp: a group
             ("weights", lambda r: f"{r.weights / GB:.2f}"),
             ("reference", lambda r: f"{r.reference / GB:.2f}"),
             ("slow copy", lambda r: f"{r.slow_copy / GB:.2f}"),
@@ -63,7 +63,9 @@ def plan(
     set_: Annotated[list[str] | None, typer.Option("--set", help=_SET_HELP)] = None,
     json_out: Annotated[Path | None, typer.Option("--json", help="Also write the plan as JSON here.")] = None,
     fleet: Annotated[str | None, typer.Option("--fleet", help="Search the split for a fleet: 16xH800, "
-                                              "8xH800+16xL40S, or a scenario FILE.toml (its [[pools]]).")] = None,
+                                              "8xH800+16xL40S, 8xH800+16xL40S@1gbit/20ms (a far pool behind a "
+                                              "link: refused, limited or used, with what its link costs), or a "
+                                              "scenario FILE.toml (its [[pools]]).")] = None,
     write: Annotated[Path | None, typer.Option("--write", help="--fleet: write the best placement as a runnable "
                                                "config here.")] = None,
     top: Annotated[int, typer.Option("--top", min=1, help="--fleet: how many placements to show.")] = 5,
@@ -117,7 +119,8 @@ def _fleet(config: Path, overrides: list[str], fleet: str, write: Path | None, t
     import time
 
     from digenrl.config import load_config
-    from digenrl.plan.fleet import plan_fleet, write_config
+    from digenrl.plan.fleet import write_config
+    from digenrl.plan.sequence import plan_fleet_sp
     from digenrl.sim.measured import MeasuredCost
     from digenrl.sim.user import fleet_pools, load_scenario
 
@@ -128,7 +131,7 @@ def _fleet(config: Path, overrides: list[str], fleet: str, write: Path | None, t
         measured = MeasuredCost.from_report(costs) if costs is not None else None
         if tolerance is None:
             tolerance = (MeasuredCost.report_error(costs) or 0.0) if costs is not None else 0.0
-        result = plan_fleet(cfg, pools, top=top, batches=batches, measured=measured, tolerance=tolerance)
+        result = plan_fleet_sp(cfg, pools, top=top, batches=batches, measured=measured, tolerance=tolerance)
     except ConfigError as exc:
         typer.secho(f"plan error: {exc}", fg=typer.colors.RED, err=True)
         raise typer.Exit(2) from exc

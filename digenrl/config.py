@@ -29,6 +29,8 @@ from typing import Any
 from digenrl import usercode
 from digenrl.errors import ConfigError
 from digenrl.schedule.options import PRESETS, SCHEDULES, SIZE_KEYS
+from digenrl.sim.compression import (SAMPLE_CHOICES, WEIGHT_CHOICES, choose_samples_compression,
+                                     choose_weights_compression)
 from digenrl.sim.window import SlidingWindow
 
 __all__ = [
@@ -589,6 +591,11 @@ class PlacementConfig:
     # e.g. { accelerator_type = "L40S" } or a custom resource { l40s_pool = 1 }.
     rollout_resources: dict[str, str | float] = field(default_factory=dict)
     trainer_resources: dict[str, str | float] = field(default_factory=dict)  # the same for a trainer's bundle
+    # Sequence parallelism (Ulysses): each rollout actor / trainer is a group of this many processes, one per
+    # device, that acts as one actor. rollout_sp / trainer_sp override sp for one role (0: sp).
+    sp: int = 1
+    rollout_sp: int = 0
+    trainer_sp: int = 0
 
     def __post_init__(self) -> None:
         from digenrl.sim.devices import CATALOG
@@ -608,15 +615,24 @@ class PlacementConfig:
                f"0 (no late joins) or >= placement.rollout = {self.rollout}", self.max_rollout)
         check_resources("placement.rollout_resources", self.rollout_resources)
         check_resources("placement.trainer_resources", self.trainer_resources)
+        _check("placement.sp", self.sp >= 1, ">= 1 (1: no sequence parallelism)", self.sp)
+        _check("placement.rollout_sp", self.rollout_sp >= 0, ">= 0 (0: placement.sp)", self.rollout_sp)
+        _check("placement.trainer_sp", self.trainer_sp >= 0, ">= 0 (0: placement.sp)", self.trainer_sp)
         actors = self.actors
         if self.workers and self.workers < actors:
-            raise ConfigError(f"placement.workers = {self.workers}: one actor per joined worker needs at least "
-                              f"{actors} (rollout + trainer + reward)")
+            raise ConfigError(f"placement.workers = {self.workers}: one actor process per joined worker needs at least "
+                              f"{actors} (rollout x rollout_sp + trainer x trainer_sp + reward)")
 
     @property
     def actors(self) -> int:
-        """Actor processes the run starts (rollout, trainer and reward actors)."""
-        return self.rollout + self.trainer + self.reward
+        """Actor processes the run starts: each rollout actor and trainer is ``sp_of(role)`` of them, a reward
+        actor one."""
+        return self.rollout * self.sp_of("rollout") + self.trainer * self.sp_of("trainer") + self.reward
+
+    def sp_of(self, role: str) -> int:
+        """The sequence-parallel degree of ``role``'s actors ("rollout" or "trainer"; reward actors: 1)."""
+        own = {"rollout": self.rollout_sp, "trainer": self.trainer_sp}.get(role)
+        return 1 if own is None else own or self.sp
 
     @property
     def gpus(self) -> int:
@@ -643,7 +659,8 @@ class PlacementConfig:
 
     def roles_by_gpu(self) -> list[list[str]]:
         """The roles of the actors on each GPU, in spawn order (trainers, rollout, reward actors)."""
-        order = ["trainer"] * self.trainer + ["rollout"] * self.rollout + ["reward"] * self.reward
+        order = (["trainer"] * self.trainer * self.sp_of("trainer") + ["rollout"] * self.rollout * self.sp_of("rollout")
+                 + ["reward"] * self.reward)
         out: list[list[str]] = [[] for _ in range(self.gpus)]
         for k, role in enumerate(order):
             out[self.gpu_of(k)].append(role)
@@ -697,9 +714,27 @@ class TransportConfig:
     bucket_mb: float = 64.0  # weight buckets
     address: str = ""  # the driver's bind address; empty = a private ipc path
     keys: str = ""  # the CURVE keys directory; required off loopback
+    # A far rollout pool (docs/machines.md, "Rollout over a slow link"): the link's rate in Gbit/s (0: the
+    # trainers' own fabric), which the two `auto` compressions below read (digenrl.sim.compression).
+    rollout_link_gbit: float = 0.0
+    # Publications as deltas against the version the rollout actors hold (zmq lane), with error feedback: int8
+    # (per-block scaled) or topk (as int8 where top-k would pass weights_max_error); the first publication, a
+    # newcomer's and one int8 cannot keep within weights_max_error go in full.
+    weights_compression: str = "auto"
+    topk_fraction: float = 0.01  # topk: the share of each bucket's entries one delta sends
+    weights_max_error: float = 1e-3  # the bound: receivers' weights within this relative L2 error of the trainer's
+    # Fragments sent to the trainers: lossless (byte-shuffled zlib, bit for bit) or bf16 (clean latents of
+    # forward-process algorithms rounded to bf16, everything else lossless).
+    samples_compression: str = "auto"
 
     def __post_init__(self) -> None:
         _choice("transport.actors", self.actors, ("zmq", "inproc"))
+        _check("transport.rollout_link_gbit", self.rollout_link_gbit >= 0, ">= 0 (0: no slow link)",
+               self.rollout_link_gbit)
+        _choice("transport.weights_compression", self.weights_compression, WEIGHT_CHOICES)
+        _choice("transport.samples_compression", self.samples_compression, SAMPLE_CHOICES)
+        _check("transport.topk_fraction", 0 < self.topk_fraction <= 1, "in (0, 1]", self.topk_fraction)
+        _check("transport.weights_max_error", self.weights_max_error > 0, "> 0", self.weights_max_error)
         if self.weights == "torchdist":
             raise ConfigError("transport.weights: 'torchdist' was replaced by 'gloo' (the same bucketed broadcast, over "
                               "a communicator group that rollout actors can join and leave; 'nccl' on CUDA)")
@@ -710,6 +745,23 @@ class TransportConfig:
         _check("transport.bucket_mb", self.bucket_mb > 0, "> 0", self.bucket_mb)
         if self.address:
             _check_address("transport.address", self.address, self.actors)
+        if self.weights_compression not in ("none", "auto") and self.weights != "zmq":
+            raise ConfigError(f"transport.weights_compression = {self.weights_compression!r} needs transport.weights = "
+                              f"'zmq' (deltas travel as actor messages), got {self.weights!r}")
+
+    @property
+    def weights_codec(self) -> str:
+        """``weights_compression`` resolved: ``auto`` by ``rollout_link_gbit`` (zmq lane only, else ``none``)."""
+        if self.weights_compression != "auto":
+            return self.weights_compression
+        return choose_weights_compression(self.rollout_link_gbit * 1e9) if self.weights == "zmq" else "none"
+
+    @property
+    def samples_codec(self) -> str:
+        """``samples_compression`` resolved: ``auto`` by ``rollout_link_gbit``."""
+        if self.samples_compression != "auto":
+            return self.samples_compression
+        return choose_samples_compression(self.rollout_link_gbit * 1e9)
 
 
 def _check_address(key: str, address: str, actors: str) -> None:
@@ -857,6 +909,7 @@ class Config:
                               "worker processes; it needs an actor schedule (not colocated) and transport.actors = 'zmq'")
         self._check_launcher()
         self._check_algorithm()
+        self._check_sequence_parallel()
         if transport.weights == "nccl" and not self.model.device.startswith("cuda"):
             raise ConfigError(f"transport.weights = 'nccl' moves CUDA buffers, but model.device = {self.model.device!r}; "
                               "use 'gloo' (the same lane on the CPU) or 'zmq'")
@@ -893,6 +946,34 @@ class Config:
             top = int(n * self.awm.level_fraction)
             _check("awm.level_fraction", top >= 2, f"such that floor(level_fraction x rollout.num_steps = {n}) >= 2 "
                    "(the levels are drawn from grid indices 1..that)", self.awm.level_fraction)
+
+    def _check_sequence_parallel(self) -> None:
+        place = self.placement
+        sp = {role: place.sp_of(role) for role, n in (("rollout", place.rollout), ("trainer", place.trainer)) if n}
+        big = {role: n for role, n in sp.items() if n > 1}
+        if not big:
+            return
+        key = "placement.sp" if not (place.rollout_sp or place.trainer_sp) else \
+            " / ".join(f"placement.{role}_sp" for role in big)
+        what = f"{key} = {max(big.values())}"
+        if self.schedule.name == "colocated":
+            raise ConfigError(f"{what}: sequence parallelism spreads an actor over several processes; schedule.name = "
+                              "'colocated' runs one process (use an actor schedule, e.g. colocated-tsp or async1)")
+        if self.transport.actors != "zmq":
+            raise ConfigError(f"{what} needs transport.actors = 'zmq': each member of a sequence-parallel group is a "
+                              "process with its own torch.distributed group")
+        if place.late_rollout and "rollout" in big:
+            raise ConfigError(f"placement.max_rollout = {place.max_rollout} with rollout actors of sp = {big['rollout']}: "
+                              "a late joiner is one worker, not a sequence-parallel group; set placement.max_rollout = 0 "
+                              "or placement.rollout_sp = 1")
+        if "trainer" in big and self.shard == "fsdp":
+            raise ConfigError(f"train.shard = 'fsdp' with trainers of sp = {big['trainer']}: FSDP over the data-parallel "
+                              "ranks of a 2-D mesh is not supported yet; use train.shard = 'ddp' (LoRA) or "
+                              "placement.trainer_sp = 1")
+        if self.model.device.startswith("cuda") and not place.workers and place.gpus < max(big.values()):
+            raise ConfigError(f"{what}: the members of a sequence-parallel group need a GPU each, but the run has "
+                              f"{place.gpus} (placement.actors_per_gpu = {place.actors_per_gpu} over {place.actors} "
+                              "processes); lower placement.actors_per_gpu")
 
     def _check_launcher(self) -> None:
         place, ray = self.placement, self.cluster.launcher == "ray"

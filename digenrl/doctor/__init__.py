@@ -7,6 +7,8 @@
   round trip between two processes on each event loop beside raw synchronous pyzmq.
 * ``cpu_parity`` (always, a few seconds; :mod:`digenrl.doctor.parity`): rollout/train parity of two
   tiny fp32 CPU runs (``colocated``, ``async1``), from their ``parity_*`` metrics.
+* ``all_to_all`` (with ``sp``, 10-30 s; :mod:`digenrl.doctor.all_to_all`): the all-to-all of sequence
+  parallelism (Ulysses) between 2 local gloo processes beside a memcpy of the same bytes.
 * ``gpu`` (only with CUDA devices; :mod:`digenrl.doctor.gpu`): devices, the P2P matrix, torch's and
   cupy's CUDA major (:mod:`digenrl.doctor.cuda`), NCCL broadcast (with 2 GPUs or more: skipped on
   one, with the reason) and CUDA IPC bandwidth beside a device-to-device copy, a tiny bf16 run under
@@ -24,16 +26,21 @@ from typing import Any
 __all__ = ["diagnose"]
 
 
-def diagnose(*, gpu: bool = True) -> dict[str, Any]:
+def diagnose(*, gpu: bool = True, sp: bool = False) -> dict[str, Any]:
     """Run every check that applies to this machine; see the module docstring.
 
     Args:
         gpu: also run the GPU checks when CUDA devices are present.
+        sp: also measure the gloo all-to-all of sequence parallelism (2 processes, 10-30 s on 2 busy cores).
     """
     from digenrl.doctor import host, parity
     from digenrl.doctor import gpu as gpu_checks
 
+    from digenrl.doctor.all_to_all import check_gloo
+
     report: dict[str, Any] = {"host": host.check_host(), "cpu_parity": parity.cpu_parity()}
+    if sp:  # sequence parallelism's exchange between 2 gloo processes (their start is most of its time)
+        report["all_to_all"] = check_gloo()
     report["gpu"] = gpu_checks.check_gpu() if gpu else {"skipped": ["GPU checks (--no-gpu)"]}
     report["problems"] = (host.problems(report["host"]) + parity.problems(report["cpu_parity"])
                           + gpu_checks.problems(report["gpu"]))

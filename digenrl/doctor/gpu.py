@@ -13,6 +13,7 @@ Checks (each ratio measured in one go):
   * torch and cupy built for the same CUDA major (:mod:`digenrl.doctor.cuda`);
   * device-to-device copy bandwidth on each GPU and between GPU 0 and each other GPU (the
     reference for the lanes);
+  * the all-to-all of sequence parallelism (Ulysses; ``doctor/all_to_all.py``), NCCL over every GPU, with 2+;
   * NCCL broadcast (torch.distributed, one process per GPU) and the weight lane's NCCL
     communicator (cupy), both on all GPUs, only with 2 or more (:func:`collective_plan`: a
     broadcast to nobody measures nothing), and the CUDA IPC lane (a tensor shared with another
@@ -43,7 +44,7 @@ __all__ = ["check_gpu", "problems", "collective_plan", "COLLECTIVES", "SKIPPED_W
 
 MiB = 1 << 20
 PARITY_TOL = 1e-3
-COLLECTIVES = ("nccl_broadcast", "nccl_communicator")
+COLLECTIVES = ("nccl_broadcast", "nccl_communicator", "nccl_all_to_all")
 SKIPPED_WITHOUT_GPU = ("devices", "p2p", "cupy", "copy_bandwidth", *COLLECTIVES, "cuda_ipc", "tiny_runs", "parity",
                        "blocks")
 
@@ -81,6 +82,7 @@ def check_gpu() -> dict[str, Any]:
         ("copy_bandwidth", lambda: _copies(n)),
         ("nccl_broadcast", lambda: _collective(_nccl, plan["nccl_broadcast"], out)),
         ("nccl_communicator", lambda: _collective(_communicator, plan["nccl_communicator"], out)),
+        ("nccl_all_to_all", lambda: _collective(_all_to_all, plan["nccl_all_to_all"], out)),
         ("cuda_ipc", lambda: [_ipc(0, d, out) for d in sorted({0, n - 1})]),
         ("tiny_runs", lambda: [_tiny_run("colocated"), _tiny_run("async1")]),
         ("blocks", check_blocks),
@@ -269,6 +271,13 @@ def _communicator(world: int, out: dict[str, Any], nbytes: int = 256 * MiB) -> d
     gbps = got[0][2]
     ref = _reference(out, 0, world - 1)
     return {"gpus": world, "size_bytes": nbytes, "gbps": gbps, "copy_gbps": ref, "ratio": gbps / ref if ref else None}
+
+
+def _all_to_all(world: int, out: dict[str, Any]) -> dict[str, Any]:
+    """Ulysses' all-to-all over every GPU (``doctor/all_to_all.py``) beside the GPU 0 -> last copy."""
+    from digenrl.doctor.all_to_all import check_nccl
+
+    return check_nccl(world, _reference(out, 0, world - 1))
 
 
 def _ipc_consumer(device: int, handles: Any, done: Any, rounds: int) -> None:

@@ -37,6 +37,13 @@ def _sections(report: dict[str, Any]) -> list[tuple[str, list[str], list[list[st
           [r["schedule"], str(r["rows"]), _num(r["ratio"], ".6f"), _num(r["ratio_dev_max"], ".1e"),
            _num(r["logp_diff_max"], ".1e"), f"{r['wall_s']:.1f} s"] for r in report.get("cpu_parity", [])]),
     ]
+    if "all_to_all" in report:  # sequence parallelism's exchange on gloo (doctor/all_to_all.py)
+        a2a = report["all_to_all"]
+        out.append(("sequence-parallel all-to-all (2 gloo processes; ratio = exchange time over a memcpy)",
+                    ["size", "GB/s sent a rank", "memcpy GB/s", "ratio"],
+                    [["error", a2a["error"][:60], "", ""]] if "error" in a2a else
+                    [[f"{a2a['size_bytes'] >> 20} MiB", f"{a2a['gbps']:.2f}", f"{a2a['memcpy_gbps']:.2f}",
+                      f"{a2a['ratio']:.1f}"]]))
     if not gpu.get("available"):
         why = gpu.get("reason", "not requested")
         out.append(("gpu: skipped", ["check", "why skipped"], [[name, why] for name in gpu.get("skipped", [])]))

@@ -21,6 +21,8 @@ from digenrl.sim.calibration import schedule_params
 from digenrl.sim.cost import CostModel
 from digenrl.sim.devices import device_spec
 from digenrl.sim.engine import simulate
+from digenrl.sim.sequence import group_speedup
+from digenrl.sim.link_traffic import LinkBytes, LinkTraffic
 from digenrl.sim.measured import MeasuredCost
 from digenrl.sim.profiles import ModelProfile
 from digenrl.sim.user import Pool
@@ -53,19 +55,23 @@ class Candidate:
     memory: dict[str, dict[str, float]] = field(default_factory=dict)  # role -> {gb, capacity_gb, device}
     shipped: bool = False  # the config's own placement and token sizes
     schedule: str = ""  # the schedule it runs: "" the config's; HYBRID: every device (in ``trainer``) samples and trains
+    links: dict[str, Any] = field(default_factory=dict)  # far site -> what its link carried (LinkTraffic.report)
+    rollout_sp: int = 1  # devices per rollout actor / trainer: sequence-parallel groups (``rollout`` counts actors)
+    trainer_sp: int = 1
 
     @property
     def ident(self) -> tuple[object, ...]:
         return (tuple(self.rollout.items()), tuple(self.trainer.items()), self.tag_steps, self.fragment_groups,
-                self.train_pack)
+                self.train_pack, self.rollout_sp, self.trainer_sp)
 
     @property
     def split(self) -> str:
         def side(d: dict[str, int]) -> str:
             return "+".join(f"{n}x{t}" for t, n in d.items() if n) or "0"
+        sp = f", SP {self.rollout_sp}/{self.trainer_sp}" if (self.rollout_sp, self.trainer_sp) != (1, 1) else ""
         if self.schedule == HYBRID:
-            return f"{HYBRID} {side(self.trainer)} (each samples, trains)"
-        return f"rollout {side(self.rollout)} / trainer {side(self.trainer)}"
+            return f"{HYBRID} {side(self.trainer)} (each samples, trains{sp})"
+        return f"rollout {side(self.rollout)} / trainer {side(self.trainer)}{sp}"
 
     def to_json(self) -> dict[str, Any]:
         return {**dataclasses.asdict(self), "split": self.split}
@@ -80,8 +86,9 @@ def placed_config(cfg: Config, rollout: dict[str, int], trainer: dict[str, int],
     rollout_gpu = smallest_type(rollout) if n_roll else ""
     # A fleet's device hosts one actor: the split counts devices (actors_per_gpu = 1)
     place = replace(cfg.placement, rollout=n_roll, trainer=n_train, gpu=gpu, actors_per_gpu=1,
-                    rollout_gpu="" if rollout_gpu == gpu else rollout_gpu,
-                    workers=(n_roll + n_train + cfg.placement.reward) if cfg.placement.workers else 0)
+                    rollout_gpu="" if rollout_gpu == gpu else rollout_gpu, workers=0)
+    if cfg.placement.workers:  # one joined worker a process (an SP group's actor is several)
+        place = replace(place, workers=place.actors)
     sched = ScheduleConfig(name=schedule, fragment_groups=fragment_groups, train_pack=train_pack) if schedule else replace(
         cfg.schedule, tag_steps=tag_steps, fragment_groups=fragment_groups, train_pack=train_pack or cfg.schedule.train_pack)
     return replace(cfg, placement=place, schedule=sched, train=replace(cfg.train, rows_per_pass=rows),
@@ -125,7 +132,8 @@ class SplitSearch:
     """
 
     def __init__(self, cfg: Config, pools: tuple[Pool, ...], traces: Traces, workload: Workload,
-                 fitted: ModelProfile, params: dict[str, float], measured: MeasuredCost | None) -> None:
+                 fitted: ModelProfile, params: dict[str, float], measured: MeasuredCost | None,
+                 link_bytes: LinkBytes | None = None) -> None:
         self.cfg, self.traces, self.workload = cfg, traces, workload
         self.fitted, self.params, self.measured = fitted, params, measured
         self.tag = PRESETS[cfg.schedule.name].tag
@@ -135,6 +143,10 @@ class SplitSearch:
         self._split: dict[tuple[int, int, int], Candidate | None] = {}  # step 1: (R, sizes asked) -> what was run
         self.simulations = 0
         self.pools = pools
+        # pools behind a link (plan/links.py admitted them): their traffic is simulated, priced by link_bytes
+        self.far = {p.device: p.link for p in pools if p.link is not None}
+        self.link_bytes = link_bytes
+        self.sp = (cfg.placement.sp_of("rollout"), cfg.placement.sp_of("trainer"))  # devices per actor (plan/sequence.py)
         self._place_roles(pools)
 
     # -- the fleet's devices ---------------------------------------------------------------------------
@@ -144,7 +156,7 @@ class SplitSearch:
         n_total = sum(p.count for p in pools)
 
         def role_ok(role: str, dtype: str) -> bool:
-            probe = placed_config(cfg, {dtype: 1}, {dtype: max(1, n_total - 1)}, 1, 1, 1)
+            probe = placed_config(cfg, {dtype: 1}, {dtype: max(1, (n_total - self.sp[0]) // self.sp[1])}, 1, 1, 1)
             return memory_plan(probe, self.traces).roles[role].fits
 
         types = {p.device for p in pools}
@@ -159,10 +171,14 @@ class SplitSearch:
                               "(see `digenrl plan CONFIG`); change train.rows_per_pass, train.grad_checkpointing, "
                               "train.shard or model.finetune, or add larger devices")
         # devices in generation-preference order: rollout-only first, then slowest first
+        # (in units of the larger SP group: a unit is u / rollout_sp rollout actors or u / trainer_sp trainers)
         self.order: list[str] = []
+        u = max(self.sp)
         for p in sorted(pools, key=lambda p: (p.device in self.may_train, device_spec(p.device).peak_bf16_flops)):
             if p.device in self.may_roll | self.may_train:
-                self.order += [p.device] * p.count
+                self.order += [p.device] * (p.count // u)
+                if p.count % u:
+                    self.unused.append(f"{p.count % u}x{p.device} (not a whole SP group of {u})")
         must_roll = sum(1 for t in self.order if t not in self.may_train)
         can_roll = sum(1 for t in self.order if t in self.may_roll)
         # 0 rollout devices: the trainers generate
@@ -180,9 +196,10 @@ class SplitSearch:
     def _sides(self, r: int) -> tuple[dict[str, int], dict[str, int]]:
         roll: dict[str, int] = {}
         train: dict[str, int] = {}
+        u = max(self.sp)
         for i, t in enumerate(self.order):
             side = roll if i < r else train
-            side[t] = side.get(t, 0) + 1
+            side[t] = side.get(t, 0) + u // self.sp[0 if i < r else 1]  # actors of the unit
         return roll, train
 
     # -- one candidate -----------------------------------------------------------------------------
@@ -207,6 +224,7 @@ class SplitSearch:
             self.results[key] = None
             return None
         cand = Candidate(roll, train, sizes.tag_steps, sizes.fragment_groups, rows, sizes.train_pack,
+                         rollout_sp=self.sp[0], trainer_sp=self.sp[1],
                          memory={name: {"gb": m.bytes_per_device / GB, "capacity_gb": m.capacity / GB,
                                         "device": m.device} for name, m in plan.roles.items()})
         self.run(cand, r, self.workload)
@@ -224,11 +242,13 @@ class SplitSearch:
             return
         sizes = {"tag_steps": cand.tag_steps, "fragment_groups": cand.fragment_groups,
                  **({"train_pack": cand.train_pack} if cand.train_pack else {})}
-        options = {**sizes, **({"tag": False} if self.tag and not self.trainers_generate(len(self.order) - r) else {}),
+        roll, train = self._sides(r)
+        options = {**sizes, **({"tag": False} if self.tag and not self.trainers_generate(sum(train.values())) else {}),
                    **{k: v for k, v in cfg.schedule_options.items() if k not in sizes},
                    **({"staleness": cfg.schedule.staleness} if cfg.schedule.staleness else {})}
-        roles = [Role.ROLLOUT if i < r else Role.TRAINER for i in range(len(self.order))]
-        self._simulate(cand, self.order, roles, w, cfg.schedule.name, options)
+        order = [t for side in (roll, train) for t, n in side.items() for _ in range(n)]  # one a simulated actor
+        roles = [Role.ROLLOUT] * sum(roll.values()) + [Role.TRAINER] * sum(train.values())
+        self._simulate(cand, order, roles, w, cfg.schedule.name, options)
 
     def _simulate(self, cand: Candidate, order: list[str], role_of: list[Role], w: Workload, schedule_name: str,
                   options: dict[str, object]) -> None:
@@ -239,19 +259,25 @@ class SplitSearch:
             names.append(name)
             specs[name] = device_spec(t)
             roles[name] = role
-        # measured costs are already this device's seconds: speed 1
-        devices = [Device(n, roles[n], 1.0 if measured else specs[n].peak_bf16_flops / self.ref) for n in names]
         # (the hybrid placement pays what digenrl's colocated loop pays: no engine switch, no log-prob recompute)
         params = schedule_params(HYBRID) if schedule_name == HYBRID else self.params
-        cost: MeasuredCost | CostModel = measured or CostModel(self.fitted, specs, params, roles)
+        sp = {n: self.sp[0] if roles[n] is Role.ROLLOUT else self.sp[1] for n in names}  # SP groups (sim/sequence.py)
+        cost: MeasuredCost | CostModel = measured or CostModel(self.fitted, specs, params, roles, sp=sp)
+        # measured costs are already this device's seconds: speed 1; an SP group is its speedup faster
+        devices = [Device(n, roles[n], 1.0 if measured else specs[n].peak_bf16_flops / self.ref
+                          * group_speedup(cost, n)) for n in names]  # type: ignore[arg-type]
         schedule = make_schedule(schedule_name, devices, w, cost, **options)
         # measured on one host: its processes share its cores as the bench measured (None: each owns its compute)
-        res = simulate(schedule, devices, w, cost, contention=measured.contention if measured else None)
+        traffic = LinkTraffic.for_devices({n: specs[n].name for n in names}, self.far, self.link_bytes or
+                                          LinkBytes.of_profile(self.fitted, grad_bytes=params.grad_bytes),
+                                          w.trained_steps) if self.far else None
+        res = simulate(schedule, devices, w, cost, contention=measured.contention if measured else None, links=traffic)
         st = summarize(res)
         self.simulations += 1
         cand.bubble_by_pool = pool_bubbles(res, sorted(set(order)), st.steady.start, st.steady.end)
         cand.samples_per_s, cand.staleness = st.steady.samples_per_s, st.max_staleness
         cand.bubble_rollout, cand.bubble_trainer = st.steady.bubble_rollout, st.steady.bubble_trainer
+        cand.links = traffic.report(w.num_batches, res.wall) if traffic is not None else {}
 
     def hybrid(self, w: Workload) -> tuple[Candidate | None, str]:
         """The :data:`HYBRID` placement on the devices that may hold both roles and whose memory holds a device
@@ -260,7 +286,7 @@ class SplitSearch:
         counts: dict[str, int] = {}
         for p in self.pools:
             if {"rollout", "trainer"} <= set(p.roles) and p.device in self.may_train:
-                counts[p.device] = counts.get(p.device, 0) + p.count
+                counts[p.device] = counts.get(p.device, 0) + p.count // self.sp[1]  # hybrids: trainer-sized groups
         while counts:
             n = sum(counts.values())
             for groups in (0, 1):  # the schedule's fragments (a device's share of the prompts), else one prompt each
@@ -272,6 +298,7 @@ class SplitSearch:
                 rows, plan = max_rows(variant, self.traces, max(1, sizes.train_pack))
                 if plan is not None:
                     cand = Candidate({}, dict(counts), 0, sizes.fragment_groups, rows, sizes.train_pack,
+                                     trainer_sp=self.sp[1],
                                      schedule=HYBRID, memory={"hybrid": {
                                          "gb": m.bytes_per_device / GB, "capacity_gb": m.capacity / GB,
                                          "device": m.device} for m in plan.roles.values()})

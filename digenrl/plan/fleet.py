@@ -60,6 +60,8 @@ from digenrl.plan.memory import Traces, memory_plan, traces_for
 from digenrl.plan.rows import rollout_window, row_cost
 from digenrl.plan.window import window_note
 from digenrl.schedule.options import PRESETS
+from digenrl.sim.link_traffic import LinkBytes
+from digenrl.sim.links import Transfer
 from digenrl.sim.measured import MeasuredCost
 from digenrl.sim.profiles import PROFILES, ModelProfile
 from digenrl.sim.scenarios import PlannedSplit, Scenario
@@ -149,7 +151,8 @@ def _measured_note(cfg: Config, measured: MeasuredCost) -> str:
 
 def plan_fleet(cfg: Config, pools: tuple[Pool, ...], *, top: int = 5, batches: int = 6,
                final_batches: int = 20, measured: MeasuredCost | None = None, tolerance: float = 0.0,
-               per_split: bool = False, prof: ModelProfile | None = None) -> FleetPlan:
+               per_split: bool = False, prof: ModelProfile | None = None, transfer: Transfer | None = None,
+               link_bytes: LinkBytes | None = None) -> FleetPlan:
     """Search placements of ``cfg`` on ``pools`` (see the module docstring); best first.
 
     ``measured``: price tokens with costs measured on the fleet's device (``bench bubbles --real``)
@@ -164,6 +167,10 @@ def plan_fleet(cfg: Config, pools: tuple[Pool, ...], *, top: int = 5, batches: i
     the finalists, and it stays first unless the best candidate is predicted more than ``tolerance``
     faster: a win inside the model's error is no reason to leave a placement that was measured.
 
+    ``transfer``, ``link_bytes``: pools behind a link (``Pool.link``) go to ``plan.links.plan_far_pools`` (refused,
+    limited or used, and what their link costs), their publications sent as ``transfer`` (default: bf16);
+    ``link_bytes`` is its call back, with the far pools admitted and their traffic priced.
+
     ``per_split``: also re-simulate the best candidate of every split evaluated and return them in
     ``split_best`` (``bench bubbles --real --plan-check`` runs each split's best for real).
 
@@ -176,6 +183,14 @@ def plan_fleet(cfg: Config, pools: tuple[Pool, ...], *, top: int = 5, batches: i
     from digenrl.schedule.base import Workload
     from digenrl.sim.calibration import calibrated_params, cost_source
 
+    if link_bytes is None and any(p.link is not None for p in pools):
+        from functools import partial
+
+        from digenrl.plan.links import plan_far_pools
+
+        again = partial(plan_fleet, cfg, top=top, batches=batches, final_batches=final_batches, measured=measured,
+                        tolerance=tolerance, per_split=per_split, prof=prof)
+        return plan_far_pools(cfg, pools, again, transfer, measured)
     colocated_config = PRESETS[cfg.schedule.name].colocated
     if colocated_config:  # its splits: the full schedule's (what splitting the devices would run)
         cfg = replace(cfg, schedule=replace(cfg.schedule, name="async1"))
@@ -186,7 +201,7 @@ def plan_fleet(cfg: Config, pools: tuple[Pool, ...], *, top: int = 5, batches: i
         measured.check_fleet({p.device for p in pools}, "the fleet " + "+".join(f"{p.count}x{p.device}" for p in pools))
     traces = traces_for(cfg, linear=True)
     fitted, notes = _pricing(cfg, traces, measured, prof)
-    search = SplitSearch(cfg, pools, traces, workload, fitted, params, measured)
+    search = SplitSearch(cfg, pools, traces, workload, fitted, params, measured, link_bytes)
     # 1. the split, coarse to fine, with the config's token sizes; 2. token sizes for the three best splits
     base = (cfg.schedule.tag_steps, cfg.schedule.fragment_groups)
     search.best_split(*base)
@@ -379,9 +394,14 @@ def write_config(source: Path, overrides: list[str], cand: Candidate, out: Path,
     if PRESETS[cfg.schedule.name].colocated:  # its splits ran async1 (plan_fleet)
         cfg = replace(cfg, schedule=replace(cfg.schedule, name="async1"))
         data.setdefault("schedule", {})["name"] = "async1"
+    from digenrl.plan.sequence import with_sp
+
+    cfg = with_sp(with_sp(cfg, "rollout", cand.rollout_sp), "trainer", cand.trainer_sp)  # the SP it was planned at
     chosen = placed_config(cfg, cand.rollout, cand.trainer, cand.tag_steps, cand.fragment_groups, cand.rows_per_pass,
                            cand.train_pack, cand.schedule)
     place = data.setdefault("placement", {})
+    if (cand.rollout_sp, cand.trainer_sp) != (1, 1) or {"sp", "rollout_sp", "trainer_sp"} & set(place):
+        place.update(rollout_sp=cand.rollout_sp, trainer_sp=cand.trainer_sp)
     place.update(rollout=chosen.placement.rollout, trainer=chosen.placement.trainer, gpu=chosen.placement.gpu)
     if chosen.placement.rollout_gpu:
         place["rollout_gpu"] = chosen.placement.rollout_gpu

@@ -56,6 +56,7 @@ import torch
 from digenrl.config import Config
 from digenrl.errors import ConfigError
 from digenrl.plan.rows import Boundary, boundary, kl_beta, latent_bytes, nograd_forwards, slow_copies
+from digenrl.plan.sequence import activation_share, fitting_sp
 
 __all__ = ["SharedGpu", "planned_vs_measured", "RESERVE_BYTES", "RoleMemory", "RewardModelMemory", "MemoryPlan", "memory_plan", "check_memory", "memory_problems", "device_capacity"]
 
@@ -89,6 +90,7 @@ class RoleMemory:
     host_bytes: int = 0  # offloaded text encoders (and reward models under reward.device = "cpu"), in host memory
     capacity: int = 0
     notes: list[str] = field(default_factory=list)
+    sp: int = 1  # devices per actor: a sequence-parallel group (``devices`` counts them all)
 
     @property
     def bytes_per_device(self) -> int:
@@ -137,6 +139,7 @@ class MemoryPlan:
     expert_params: int = 0
     expert_offload: bool = False
     boundary: Boundary | None = None  # bytes a sample moves from the rollout to the trainer (plan/rows.py)
+    traces: Traces | None = field(default=None, repr=False, compare=False)  # what priced the activations (reused)
 
     @property
     def fits(self) -> bool:
@@ -481,7 +484,11 @@ def memory_plan(cfg: Config, traces: Traces | None = None) -> MemoryPlan:
     shard = cfg.shard if not colocated else "none"
 
     act = _activations(cfg, traces)
-    rows, train_act, rollout_act, decode_act = act.rows, act.train, act.rollout, act.decode_sample
+    # an SP group's ranks each hold their share of a pass's sequence (plan/sequence.py); a decode runs whole
+    share, share_r = activation_share(cfg, "colocated" if colocated else "trainer"), activation_share(cfg, "rollout")
+    sp_t, sp_r = place.sp_of("trainer"), place.sp_of("rollout")
+    rows, train_act, decode_act = act.rows, int(act.train * share), act.decode_sample
+    rollout_act, tag_act = act.rollout_at(share_r), act.rollout_at(share)
 
     lora = m.finetune == "lora"
     n_train = lora_params(cfg, parts.transformer) if lora else n_transformer
@@ -489,13 +496,13 @@ def memory_plan(cfg: Config, traces: Traces | None = None) -> MemoryPlan:
     n_train *= experts.trained
     master = 4 if tr.fp32_master and dtype != torch.float32 else 0
     grad_bytes = 4 if tr.fp32_master else nbytes
-    div = n_trainer if shard == "fsdp" else 1
+    div = n_trainer * sp_t if shard == "fsdp" else 1  # FSDP over the folded 2-D mesh: every rank of every group
     text_bytes = n_text * nbytes
     vae_bytes = n_vae * nbytes
     # the trained weights' own dtype (policy.prepare_for_training: fp32 LoRA, fp32 FSDP shards under fp32_master)
     trained_bytes = 4 if master and (lora or shard == "fsdp") else nbytes
     copy = slow_copies(cfg) * n_train * trained_bytes // div
-    passes = _loss_passes(cfg, traces, parts.vae, rows, train_act, copy)
+    passes = _loss_passes(cfg, traces, parts.vae, rows, train_act, copy, share)
 
     def trainer(role: str, devices: int, generates: bool) -> RoleMemory:
         r = RoleMemory(role, devices, device, capacity=capacity, trainable_params=n_train)
@@ -520,7 +527,7 @@ def memory_plan(cfg: Config, traces: Traces | None = None) -> MemoryPlan:
         r.notes += passes.notes
         if generates:
             # (a sampling copy swaps in as for the loss: DiffusionNFT samples with its old policy)
-            r.activations = max(passes.peak, rollout_act + (copy if cfg.train.algorithm == "nft" else 0))
+            r.activations = max(passes.peak, tag_act + (copy if cfg.train.algorithm == "nft" else 0))
             _hold_vae_and_text_encoders(r, vae_bytes, text_bytes, m.offload_text_encoder)
             r.notes.append("also generates (TAG/colocated): VAE and rollout activations")
         return r
@@ -539,28 +546,45 @@ def memory_plan(cfg: Config, traces: Traces | None = None) -> MemoryPlan:
 
     roles: dict[str, RoleMemory] = {}
     if colocated:
-        roles["colocated"] = trainer("colocated", 1, True)
+        roles["colocated"] = trainer("colocated", sp_t, True)
     else:
         if place.rollout:
-            roles["rollout"] = frozen("rollout", place.rollout, rollout_device, rollout_capacity, rollout_act)
-        roles["trainer"] = trainer("trainer", n_trainer, cfg.trainers_generate)
+            roles["rollout"] = frozen("rollout", place.rollout * sp_r, rollout_device, rollout_capacity, rollout_act)
+        roles["trainer"] = trainer("trainer", n_trainer * sp_t, cfg.trainers_generate)
         if place.reward:
             score = _score_batch(cfg)
             r = roles["reward"] = frozen("reward", place.reward, device, capacity,
                                          decode_act * min(score, cfg.rollout.decode_batch or score))
             r.notes.append("decodes and scores; also holds the frozen policy RewardActor builds for its VAE (the "
                            "transformer and text encoders are unused there)")
+    for name, r in roles.items():
+        if name != "reward":
+            trains = name != "rollout"
+            _note_sp(r, sp_t if trains else sp_r, share if trains else share_r,
+                     div if trains and shard == "fsdp" else 0)
     models = _place_rewards(cfg, roles)
     crossing = boundary(cfg, parts.transformer, parts.vae, traces.text_len, traces.branches, nbytes,
                         _cond_tokens(traces))
     return MemoryPlan(m.name, getattr(parts, "variant", ""), m.preset, device, capacity, shard, n_transformer, n_text,
                       n_vae, rows, ACTIVATIONS_METHOD + _conditioning_note(traces), roles, shared=_shared_gpus(cfg, roles),
                       rewards=models,
-                      train_row_bytes=(train_act - act.one_row) // (rows - 1) if rows > 1 else act.one_row,
-                      train_activations=train_act, train_peak=passes.peak, rollout_forward=act.forward,
+                      train_row_bytes=(train_act - int(act.one_row * share)) // (rows - 1) if rows > 1
+                      else int(act.one_row * share),
+                      train_activations=train_act, train_peak=passes.peak, rollout_forward=int(act.forward * share_r),
                       decode_sample=decode_act,
                       decode_samples=act.decode_samples,
-                      expert_params=experts.second, expert_offload=experts.offload, boundary=crossing)
+                      expert_params=experts.second, expert_offload=experts.offload, boundary=crossing, traces=traces)
+
+
+def _note_sp(r: RoleMemory, degree: int, share: float, fsdp_ranks: int) -> None:
+    """Say what a sequence-parallel group of ``degree`` devices divides on ``r``'s devices."""
+    r.sp = degree
+    if degree == 1:
+        return
+    states = (f"weights and optimizer states sharded over the folded mesh ({fsdp_ranks} ranks)" if fsdp_ranks
+              else "weights, LoRA, gradients and optimizer states whole on every rank")
+    r.notes.append(f"sequence parallel (Ulysses) over {degree} devices an actor: each rank holds {share:.3f} of a pass's "
+                   f"activations (its share of the padded sequence); {states}; a VAE decode runs whole on one rank")
 
 
 _COPY = {"nft": "old policy", "awm": "EMA policy"}
@@ -576,12 +600,13 @@ class _LossPasses:
     notes: list[str]
 
 
-def _loss_passes(cfg: Config, traces: Traces, vae: Any, rows: int, train_act: int, copy: int) -> _LossPasses:
+def _loss_passes(cfg: Config, traces: Traces, vae: Any, rows: int, train_act: int, copy: int,
+                 share: float = 1.0) -> _LossPasses:
     forwards = nograd_forwards(cfg)
     if not forwards:
         return _LossPasses(train_act, [])
-    held = forwards * rows * latent_bytes(cfg, vae)
-    swapped = traces.forward(rows * traces.branches) + copy if copy else 0
+    held = int(forwards * rows * latent_bytes(cfg, vae) * share)  # (an SP rank holds its tokens' velocities)
+    swapped = int(traces.forward(rows * traces.branches) * share) + copy if copy else 0
     note = (f"loss: {forwards} no-grad forward(s) a row; their velocities held through the training pass: "
             f"{held / GB:.3f} GB" + (f"; the slow copy's forward ({swapped / GB:.2f} GB with the trained weights it "
                                      "swaps out) is smaller" if copy and swapped <= train_act + held else
@@ -610,7 +635,11 @@ class _ActivationPeaks:
 
     @property
     def rollout(self) -> int:
-        return max(self.forward, self.decode_sample * self.decode_samples)
+        return self.rollout_at(1.0)
+
+    def rollout_at(self, share: float) -> int:
+        """The rollout peak on one rank holding ``share`` of the forward's sequence (the decode runs whole)."""
+        return max(int(self.forward * share), self.decode_sample * self.decode_samples)
 
 
 def _activations(cfg: Config, traces: Traces) -> _ActivationPeaks:
@@ -702,6 +731,17 @@ def _decode_advice(plan: MemoryPlan, r: RoleMemory) -> str:
     return f"rollout.decode_batch = {int(most)} or less (samples per VAE decode call)"
 
 
+def _sp_advice(cfg: Config, plan: MemoryPlan, r: RoleMemory) -> str:
+    """``placement.<role>_sp = K`` when splitting each pass's sequence over K devices an actor makes ``r`` fit."""
+    found = fitting_sp(cfg, plan, r.role) if plan.traces is not None else None
+    if found is None:
+        return ""
+    degree, nbytes = found
+    key = "rollout_sp" if r.role == "rollout" else "trainer_sp"
+    return (f"placement.{key} = {degree} (Ulysses sequence parallelism: each {'rollout actor' if key == 'rollout_sp' else 'trainer'} "
+            f"a group of {degree} devices sharing its sequence) fits: {nbytes / GB:.1f} GB per device")
+
+
 def _advice(cfg: Config, plan: MemoryPlan, r: RoleMemory) -> str:
     """The config key to change for a role that does not fit, and to what."""
     over = -r.headroom
@@ -713,7 +753,7 @@ def _advice(cfg: Config, plan: MemoryPlan, r: RoleMemory) -> str:
                     "activations of the whole batch on one device; use an actor schedule (async1) that spreads them")
         else:
             lead = ""
-        options = []
+        options = [sp] if (sp := _sp_advice(cfg, plan, r)) else []
         if not tr.grad_checkpointing and r.activations > over:
             options.append("train.grad_checkpointing = true (recompute blocks in backward)")
         if plan.rows_per_pass > 1 and r.activations <= max(plan.train_activations, plan.train_peak):
@@ -745,6 +785,8 @@ def _advice(cfg: Config, plan: MemoryPlan, r: RoleMemory) -> str:
             key = "placement.rollout_gpu" if cfg.placement.rollout_gpu else "placement.gpu"
             return (f"the weights and VAE alone do not fit: change {key} to a larger device type"
                     + (" (model.device = 'cpu' plans this host's memory)" if r.device == "cpu" else ""))
+        if sp := _sp_advice(cfg, plan, r):
+            options.append(sp)
         if decode:
             options.append(decode)
         if r.text_encoders:

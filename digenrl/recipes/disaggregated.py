@@ -56,6 +56,7 @@ from digenrl.rewards.user import allow_user_rewards
 from digenrl.roles.coordinator import Coordinator, RunStopped
 from digenrl.roles.reward import RewardActor
 from digenrl.roles.rollout import RolloutActor
+from digenrl.roles.sp_group import SpPlace, sp_members, sp_summary
 from digenrl.roles.stop import RunInterrupted, StopRequest, stop_scope
 from digenrl.roles.trainer import PREVIOUS_WEIGHTS, TrainerActor
 from digenrl.schedule.base import CostEstimate, Device, Role, Token
@@ -86,14 +87,20 @@ def tiny_cpu_cost() -> UniformCost:
 
 
 class Cluster:
-    """The spawned actors of one run: refs by name, their devices, and the system that owns them."""
+    """The spawned actors of one run: refs by name, their devices, and the system that owns them.
 
-    def __init__(self, system: ActorSystem, refs: dict[str, Any], devices: list[Device]) -> None:
+    ``members``: each device's processes, itself first (a sequence-parallel group has several; it is dead
+    as soon as one of them is).
+    """
+
+    def __init__(self, system: ActorSystem, refs: dict[str, Any], devices: list[Device],
+                 members: dict[str, list[str]] | None = None) -> None:
         self.system, self.refs, self.devices = system, refs, devices
+        self.members = members or {}
 
     def is_dead(self, name: str) -> bool:
         node = self.system.node
-        return node is not None and self.refs[name].address in node.dead
+        return node is not None and any(self.refs[m].address in node.dead for m in self.members.get(name, [name]))
 
     def names(self, role: Role) -> list[str]:
         return [d.name for d in self.devices if d.role is role]
@@ -132,14 +139,24 @@ async def _wait_for_workers(system: ActorSystem, n: int, timeout: float) -> list
 
 
 def actor_plan(cfg: Config) -> list[tuple[str, Role, type, tuple[Any, ...]]]:
-    """The run's actors in spawn order, ``(name, role, class, constructor args)``: trainers, rollout, reward."""
+    """The run's actor processes in spawn order, ``(name, role, class, constructor args)``: trainers, rollout,
+    reward; a sequence-parallel actor's members follow it (``trainer-0``, ``trainer-0-sp1``, ...: :func:`sp_groups`)."""
     place, conf, staleness = cfg.placement, cfg.to_dict(), _staleness(cfg)
+    groups = sp_groups(cfg)
     plan: list[tuple[str, Role, type, tuple[Any, ...]]] = []
-    plan += [(f"trainer-{i}", Role.TRAINER, TrainerActor,
-              (conf, place.actor_threads, staleness, cfg.transport.bucket_mb)) for i in range(place.trainer)]
-    plan += [(f"rollout-{i}", Role.ROLLOUT, RolloutActor, (conf, place.actor_threads)) for i in range(place.rollout)]
+    plan += [(m, Role.TRAINER, TrainerActor, (conf, place.actor_threads, staleness, cfg.transport.bucket_mb))
+             for i in range(place.trainer) for m in groups[f"trainer-{i}"]]
+    plan += [(m, Role.ROLLOUT, RolloutActor, (conf, place.actor_threads))
+             for i in range(place.rollout) for m in groups[f"rollout-{i}"]]
     plan += [(f"reward-{i}", Role.REWARD, RewardActor, (conf, place.actor_threads)) for i in range(place.reward)]
     return plan
+
+
+def sp_groups(cfg: Config) -> dict[str, list[str]]:
+    """Each rollout actor's and trainer's processes, itself (the leader the coordinator knows) first."""
+    place = cfg.placement
+    return {f"{role}-{i}": sp_members(f"{role}-{i}", place.sp_of(role))
+            for role, n in (("trainer", place.trainer), ("rollout", place.rollout)) for i in range(n)}
 
 
 def _launcher(cfg: Config, out: Path | None = None) -> contextlib.AbstractAsyncContextManager[Any]:
@@ -189,14 +206,21 @@ async def start_cluster(system: ActorSystem, cfg: Config, version: int = 0, laun
     # Spawned together: each process spends seconds importing torch, so their imports overlap.
     refs_list = await asyncio.gather(*spawns)
     refs = {name: ref for (name, *_), ref in zip(plan, refs_list, strict=True)}
-    devices = [Device(name, role) for name, role, _, _ in plan]
-    cluster = Cluster(system, refs, devices)
-    trainers = cluster.names(Role.TRAINER)
+    groups = sp_groups(cfg)
+    # The coordinator knows one device per actor: a sequence-parallel group's leader.
+    devices = [Device(name, role) for name, role, _, _ in plan if name in groups or role is Role.REWARD]
+    cluster = Cluster(system, refs, devices, groups)
+    if place.sp_of("rollout") > 1 or place.sp_of("trainer") > 1:
+        log.info("%s: %s", sp_summary(place), "; ".join(f"{n} = {' + '.join(m)}" for n, m in groups.items()))
+    trainers = [name for name, role, _, _ in plan if role is Role.TRAINER]  # every trainer process
     group: dict[str, dict[str, Any]] = {}
     if len(trainers) > 1:
         # The lead opens the rendezvous on its own host (a free port there); everyone joins it in connect.
         address = await refs[trainers[0]].open_group.call(len(trainers))
         group = {n: {"rank": i, "world_size": len(trainers), "address": address} for i, n in enumerate(trainers)}
+        for members in (groups[n] for n in cluster.names(Role.TRAINER) if len(groups[n]) > 1):
+            for rank, n in enumerate(members):  # the trainer world's SP sub-groups (roles.sp_group)
+                group[n]["sp"] = SpPlace(rank, members).to_wire()
     calls = []
     for name, role, _, _ in plan:
         ref = refs[name]
@@ -205,7 +229,15 @@ async def start_cluster(system: ActorSystem, cfg: Config, version: int = 0, laun
         else:
             calls.append(ref.connect.call(refs))
     await asyncio.gather(*calls)
+    await asyncio.gather(*(_form_sp_group(refs, groups[n]) for n in cluster.names(Role.ROLLOUT) if len(groups[n]) > 1))
     return cluster
+
+
+async def _form_sp_group(refs: dict[str, Any], members: list[str]) -> None:
+    """A rollout actor's sequence-parallel group: its leader opens the rendezvous, every member joins it."""
+    address = await refs[members[0]].open_sp_group.call(len(members))
+    await asyncio.gather(*(refs[m].join_sp_group.call(SpPlace(rank, members).to_wire(), address)
+                           for rank, m in enumerate(members)))
 
 
 async def arun_disaggregated(cfg: Config, out_dir: str | Path | None = None, resume: str | Path | None = None, *,
@@ -353,7 +385,8 @@ async def _run_actors(cfg: Config, out: Path, base: int, ckpt: Path | None, hist
 
 
 async def _write_summary(out: Path, result: Timeline, coordinator: Coordinator, cluster: Cluster) -> None:
-    """``summary.json``: the run's bubble and throughput figures, lost and admitted devices, peak memory."""
+    """``summary.json``: the run's bubble and throughput figures, lost and admitted devices, publications, peak
+    memory."""
     # Actors lost or admitted mid-run change who generated what, and when: the numbers are no longer
     # those an uninterrupted run of the same config and seed gives.
     changed = bool(coordinator.lost_devices or coordinator.admitted)
@@ -363,6 +396,7 @@ async def _write_summary(out: Path, result: Timeline, coordinator: Coordinator, 
                     [a.get("device", "?") for a in coordinator.admitted] or "none")
     (out / "summary.json").write_text(json.dumps({**run_stats(result), "lost_devices": coordinator.lost_devices,
                                                   "admitted": coordinator.admitted,
+                                                  "publications": coordinator.publications,
                                                   "repeats_uninterrupted": not changed,
                                                   "peak_memory": await _peaks(cluster)}, indent=1))
 

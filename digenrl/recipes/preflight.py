@@ -183,7 +183,7 @@ def validation(cfg: Config) -> Validation:
     from digenrl.rewards.registry import check_reward_files
     from digenrl.rewards.user import allow_user_rewards, user_reward_paths
 
-    out = Validation(notes=gloo_interfaces(cfg), warnings=untrusted_links(cfg))
+    out = Validation(notes=gloo_interfaces(cfg) + sp_notes(cfg), warnings=untrusted_links(cfg))
 
     def attempt(check: Callable[[], None]) -> None:
         try:
@@ -224,6 +224,14 @@ def validation(cfg: Config) -> Validation:
     if "remote" in r.weights or "vlm_judge" in r.weights:
         out.left.append("reward.url / reward.models.vlm_judge: the served reward, as the run's hosts reach it")
     return out
+
+
+def sp_notes(cfg: Config) -> list[str]:
+    """Each role's sequence-parallel degree and the processes it takes, when any role is above 1."""
+    from digenrl.roles.sp_group import sp_summary
+
+    place = cfg.placement
+    return [sp_summary(place)] if max(place.sp_of("rollout"), place.sp_of("trainer")) > 1 else []
 
 
 def gloo_interfaces(cfg: Config) -> list[str]:

@@ -7,7 +7,8 @@
   that generates and scores it.
 * :mod:`.trainer`: :class:`~.trainer.TrainerActor` (TSP-packed training, optimizer steps, publication).
 * :mod:`.reward`: :class:`~.reward.RewardActor` (decode and score on a device of its own).
-* :mod:`.weights`: versioned, bucketed weight publication.
+* :mod:`.weights`: versioned, bucketed weight publication; :mod:`.compress`: compressed transfer to a far rollout
+  pool (weight deltas with error feedback, fragments packed for the way back).
 * :mod:`.evaluation`: the fixed evaluation behind the sample grids (sampled on a trainer, scored where rewards are).
 * :mod:`.stop`: the orderly stop on SIGINT and SIGTERM (the coordinator's and the colocated loop's).
 

@@ -31,12 +31,16 @@ and nothing need be published) and the actor that scores decodes and scores it (
 actor, else a rollout actor, else the trainer); both run between those actors' tokens, beside the schedule, and
 the run waits for the last before it returns.
 
-Races: a TRAIN token may be issued before its groups' advantages exist (with ``adv_std =
-"global"`` advantages need the whole batch); its task waits on a condition until they do, and
-the trainer counts as busy meanwhile. An OPTIM token's task also computes the step's metrics and
-writes the checkpoint before it reports done, so the checkpoint always holds the weights of the
-version just made, before any trainer can change them. Tensors never pass through here: tokens
-carry fragment geometry, sources and advantages; latents go actor to actor.
+Races: a TRAIN token may be issued before its groups' advantages exist; its task waits on a
+condition until they do, and the trainer counts as busy meanwhile. (With ``adv_std = "global"``
+advantages need the whole batch, so the schedule issues no TRAIN token of a batch before all of it
+is scored, ``batch_advantages``: a waiting trainer could be the only device left to generate it.)
+A wait no running token can end (every running token is such a TRAIN token, and no admission is
+under way) stops the run with ``RunStopped`` naming the samples it waited for, never a hang. An
+OPTIM token's task also computes the step's metrics and writes the checkpoint before it reports
+done, so the checkpoint always holds the weights of the version just made, before any trainer can
+change them. Tensors never pass through here: tokens carry fragment geometry, sources and
+advantages; latents go actor to actor.
 """
 
 from __future__ import annotations
@@ -187,6 +191,8 @@ class Coordinator:
         opts = dict(options or {})
         if cfg.schedule.staleness:
             opts["staleness"] = cfg.schedule.staleness
+        # The batch's reward std: no row is trainable before every group of the batch is scored.
+        opts.setdefault("batch_advantages", cfg.train.adv_std == "global")
         self.shard = shard
         group = [d.name for d in self.devices if d.role is Role.TRAINER]
         self.followers = group[1:] if shard == "fsdp" else []
@@ -218,10 +224,14 @@ class Coordinator:
         self.on_admit = on_admit
         self._weights = asyncio.Lock()  # publications and admissions take turns
         self._published: list[int] = []  # versions published to the rollout actors, in order
+        # One record per publication (summary.json): its version, the lead's seconds, the bytes each receiver got
+        # and, under transport.weights_compression, the method, the uncompressed bytes and the receivers' error.
+        self.publications: list[dict[str, Any]] = []
         self._started = asyncio.Event()  # the starting version is out: admissions may proceed
         self._admissions: dict[asyncio.Future[dict[str, Any]], str] = {}  # running admission -> newcomer
         self.admitted: list[dict[str, Any]] = []  # one record per rollout actor admitted mid-run
         self._unannounced: set[str] = set()  # admitted, not yet announced to the schedule (DeviceJoined)
+        self._awaiting: dict[int, tuple[_Book, list[int]]] = {}  # TRAIN token id -> the samples it waits for
 
     # -- public --------------------------------------------------------------------------------
     @property
@@ -262,7 +272,8 @@ class Coordinator:
                 if self.schedule.failed:
                     raise RunStopped(f"schedule failed: {self.schedule.failed}")
                 if not self._tasks and not self._admissions:
-                    raise RunStopped("the schedule stalled: no token running and the run is not done")
+                    raise RunStopped(f"the schedule stalled at version {self.version}: no token running and the run is "
+                                     f"not done (live: {', '.join(sorted(self.alive))})")
                 # The timeout only matters for deaths of idle actors: a running token's death
                 # surfaces as ActorDied from its own call right away.
                 done, _ = await asyncio.wait({*self._tasks, *self._admissions}, timeout=0.25,
@@ -275,6 +286,7 @@ class Coordinator:
                 for task in done:  # after the tokens: a PUBLISH done before an admission reaches the schedule first
                     if task in self._admissions:
                         self._joined(task, self._admissions.pop(task))
+                self._check_waits()
             if self._evals:  # the last version's grid
                 await asyncio.gather(*self._evals)
         finally:
@@ -383,8 +395,12 @@ class Coordinator:
 
     async def _train_infos(self, book: _Book, token: Token) -> list[dict[str, Any]]:
         sids = [f.sample_ids() for f in token.fragments]
-        async with self._adv_ready:
-            await self._adv_ready.wait_for(lambda: all(s in book.adv for ss in sids for s in ss))
+        self._awaiting[token.id] = (book, [s for ss in sids for s in ss])  # (seen by _check_waits)
+        try:
+            async with self._adv_ready:
+                await self._adv_ready.wait_for(lambda: all(s in book.adv for ss in sids for s in ss))
+        finally:
+            del self._awaiting[token.id]
         sign = -1.0 if self.cfg.train.control == "negated" else 1.0  # the negative control of ALGORITHM (f)
         drops = self.drops_zero_std  # Flow-GRPO leaves equal-reward groups out; the forward-process methods train them
         return [{"adv": [sign * book.adv[s][0] for s in ss], "keep": [not (drops and book.adv[s][1]) for s in ss],
@@ -404,6 +420,9 @@ class Coordinator:
                 self._published.append(version)
         self._drop_failed(out)
         out.setdefault("t0", t0)
+        stats = out.get("compression") or {}
+        self.publications.append({"version": version, "seconds": out["t1"] - out["t0"], "bytes": out.get("bytes", 0),
+                                  **{k: stats[k] for k in ("method", "full_bytes", "max_abs", "rel") if k in stats}})
         return out
 
     # -- the fixed evaluation (sample grids) -------------------------------------------------------
@@ -640,6 +659,28 @@ class Coordinator:
         return metrics
 
     # -- faults --------------------------------------------------------------------------------
+    def _check_waits(self) -> None:
+        """Stop a run whose every running token is a TRAIN token waiting for advantages: nothing runs that
+        could score their samples, and the schedule hands out work only as tokens finish.
+
+        Raises:
+            RunStopped: naming each waiting token, the samples it lacks and the batch's scored share.
+        """
+        if self._admissions or not self._tasks or any(t.id not in self._awaiting for t in self._tasks.values()):
+            return
+        waits = []
+        for token in self._tasks.values():
+            book, sids = self._awaiting[token.id]
+            missing = [s for s in sids if s not in book.adv]
+            if not missing:
+                return  # its advantages are in: it wakes at the condition's next notify
+            waits.append(f"TRAIN token {token.id} on {token.device} waits for the advantages of batch "
+                         f"{token.batch + self.base} samples {missing} ({len(book.rewards)} of "
+                         f"{self.workload.samples_per_batch} samples of the batch scored)")
+        raise RunStopped(f"the run stalled: {'; '.join(waits)}, and no running token can score them (live: "
+                         f"{', '.join(sorted(self.alive))}). This is a bug of the schedule; the last checkpoint "
+                         "is intact: resume with --resume <run dir>")
+
     def _check_deaths(self) -> None:
         for name in sorted(self.alive):
             if self.is_dead(name):

@@ -30,8 +30,10 @@ from digenrl.config import Config, config_from_dict
 from digenrl.errors import ActorDied, RemoteError, StalenessViolation
 from digenrl.models import GeneratorModel
 from digenrl.policy import build_model, prepare_for_generation
+from digenrl.roles.compress import encode_fragment, rebuild
 from digenrl.roles.fragments import FragmentData, FragmentEngine, probe_velocity
-from digenrl.roles.weights import CommReceiver, WeightStore, unpack_buckets
+from digenrl.roles.sp_group import SequenceParallel, mirrored
+from digenrl.roles.weights import CommReceiver, WeightStore, pack_buckets, unpack_buckets
 from digenrl.telemetry.memory import peak_memory
 
 __all__ = ["GenerationMixin", "RolloutActor", "limit_threads", "reward_builder"]
@@ -68,8 +70,9 @@ def parse_sources(token: dict[str, Any]) -> list[tuple[list[int], str]]:
                                                  strict=True)]
 
 
-class GenerationMixin:
-    """ROLLOUT and REWARD token execution shared by rollout actors and (TAG) trainers."""
+class GenerationMixin(SequenceParallel):
+    """ROLLOUT and REWARD token execution shared by rollout actors and (TAG) trainers (each may be a
+    sequence-parallel group: :mod:`digenrl.roles.sp_group`)."""
 
     name: str
     config: dict[str, Any]
@@ -78,9 +81,11 @@ class GenerationMixin:
     engine: FragmentEngine
     peers: dict[str, ActorRef[Any]]
     pool: concurrent.futures.ThreadPoolExecutor
+    samples_cross_link = True  # its scored fragments cross the link to the trainers (a TAG trainer's stay local)
 
     # Token endpoints shared by every generating or scoring actor (rollout, reward, trainer via TAG).
     @endpoint
+    @mirrored
     async def rollout(self, token: dict[str, Any], prompts: list[str]) -> dict[str, Any]:
         """Run a ROLLOUT token (denoising steps of its fragments); returns the measured span."""
         return {**await self._run_rollout(token, prompts), "dropped": dropped_counts()}
@@ -124,6 +129,7 @@ class GenerationMixin:
         frag = self.engine.fragments.pop((batch, index), None)
         if frag is None:
             raise KeyError(f"{self.name} holds no fragment ({batch}, {index})")
+        self.sp_tell_drop([(batch, index)])
         return frag.to_wire()
 
     async def _setup_frozen_engine(self, scores: bool) -> GeneratorModel:
@@ -156,21 +162,34 @@ class GenerationMixin:
         key = (geo[0], geo[1])
         if source == "":
             return await self._compute(self.engine.fresh, geo, version, prompts)
-        if source == self.name:
+        if source == self.name or (self.sp is not None and source == self.sp.leader):
             frag = self.engine.fragments.pop(key, None)
             if frag is not None:
                 return frag
             raise StalenessViolation(f"{self.name}: fragment {key} is not held here")
+        if self.sp_follows:  # the leader takes it from its holder for the whole group (or recomputes it)
+            data = await self.sp_taken(key)
+            if data is not None:
+                return FragmentData.from_wire(data).to(self.engine.device)
+            return await self._compute(self._recompute, geo, version, prompts, step)
         try:
             data = await self.peers[source].take_fragment.call(key[0], key[1])
+            if compute_fresh:  # a ROLLOUT token's: the group's members compute with it
+                self.sp_hand(key, data)
             # The one place a generating actor receives tensors: from the wire's host copy to its device.
             return FragmentData.from_wire(data).to(self.engine.device)
         except (ActorDied, RemoteError, KeyError) as exc:
             if not compute_fresh:
                 raise
+            self.sp_hand(key, None)
             log.warning("%s: could not take fragment %s from %s (%s); recomputing it from noise", self.name, key,
                         source, exc)
-            return await self._compute(self.engine.recompute, geo, version, prompts, step)
+            return await self._compute(self._recompute, geo, version, prompts, step)
+
+    def _recompute(self, geo: list[int], version: int, prompts: list[str], step: int) -> FragmentData:
+        # With the token's version: the model may hold another (under async1, the newer one of the next batch).
+        self._use_version(version)
+        return self.engine.recompute(geo, version, prompts, step)
 
     async def _run_rollout(self, token: dict[str, Any], prompts: list[str]) -> dict[str, Any]:
         t0 = time.time()
@@ -193,6 +212,10 @@ class GenerationMixin:
     def _use_version(self, version: int) -> None:
         raise NotImplementedError
 
+    @property
+    def _samples_codec(self) -> str:
+        return self.cfg.transport.samples_codec if self.samples_cross_link else "none"
+
     async def _run_reward(self, token: dict[str, Any], prompts: list[str], store: str,
                           images: bool) -> dict[str, Any]:
         t0 = time.time()
@@ -202,7 +225,10 @@ class GenerationMixin:
             if frag.step != self.engine.cfg.rollout.num_steps:
                 raise StalenessViolation(f"{self.name}: fragment {frag.key} scored at step {frag.step}")
             scored = await self._compute(self.engine.score, frag, prompts)
-            await self.peers[store].store_fragment.call(frag.to_wire(with_latents=False))
+            self.sp_tell_drop([frag.key])  # (scored here alone: the members' copies go)
+            # (transport.samples_compression: packed for the link to the trainers, roles/compress.py)
+            await self.peers[store].store_fragment.call(encode_fragment(frag.to_wire(with_latents=False),
+                                                                        self._samples_codec))
             out["rewards"].append(scored.rewards)
             out["components"].append(scored.components)
             out["failed"] += scored.failed
@@ -237,6 +263,8 @@ class RolloutActor(GenerationMixin, Actor):
     async def __cleanup__(self, exc: BaseException | None) -> None:
         if getattr(self, "_lane", None) is not None:
             self._lane.close()
+        if exc is None:
+            self.close_sp()  # (after a member died a collective may hang: the process just exits)
         if hasattr(self, "pool"):
             self.pool.shutdown(wait=False)
 
@@ -250,9 +278,25 @@ class RolloutActor(GenerationMixin, Actor):
         return self.name
 
     @endpoint(control=True)
+    @mirrored
     async def receive_weights(self, version: int, layout: list[Any], buckets: list[Any]) -> int:
         """Stage ``version`` (used from the next token that asks for it); returns the version."""
         self.weights.stage(version, unpack_buckets(layout, buckets))
+        return version
+
+    @endpoint(control=True)
+    @mirrored
+    async def receive_weights_delta(self, version: int, base: int, layout: list[Any], delta: list[Any]) -> int:
+        """Stage ``version`` = the held ``base`` + ``delta`` (transport.weights_compression: roles/compress.py);
+        returns the version.
+
+        Raises:
+            StalenessViolation: ``base`` is not held here (the trainer sends such an actor the full weights).
+            ProtocolError: the delta does not fit ``base``.
+        """
+        base_sd = self.weights.held(base)
+        # off the event loop (a full model's delta is seconds of work); publications arrive one at a time
+        self.weights.stage(version, await asyncio.to_thread(rebuild, base_sd, layout, delta))
         return version
 
     @endpoint(control=True)
@@ -264,7 +308,11 @@ class RolloutActor(GenerationMixin, Actor):
     async def receive_weights_comm(self, generation: int, seq: int, version: int, layout: list[Any],
                                    sizes: list[Any]) -> int:
         """Enter broadcast ``seq`` of the weight group and stage ``version`` from it; returns the version."""
-        return await self._lane.receive(generation, seq, version, layout, sizes)
+        version = await self._lane.receive(generation, seq, version, layout, sizes)
+        if self.sp_leads:  # the group's other members are not in the weight group: staged on them from here
+            await self.sp_call_members("receive_weights", version,
+                                       *pack_buckets(self.weights.held(version), self.cfg.transport.bucket_mb))
+        return version
 
     @endpoint(control=True)
     async def weights_info(self, version: int | None = None) -> dict[str, Any]:
@@ -273,6 +321,7 @@ class RolloutActor(GenerationMixin, Actor):
                 "digest": self.weights.digest(version)}
 
     @endpoint
+    @mirrored
     async def probe_velocity(self, version: int, seed: int = 0) -> torch.Tensor:
         """The velocity this actor samples with at ``version`` on a fixed seeded input (for sync tests)."""
         return await self._compute(self._probe, version, seed)
@@ -282,6 +331,7 @@ class RolloutActor(GenerationMixin, Actor):
         return probe_velocity(self.engine, seed)
 
     @endpoint
+    @mirrored
     async def drop_batch(self, batch: int) -> int:
         """Forget held fragments of batches ``<= batch`` (after its optimizer step); returns how many."""
         keys = [k for k in self.engine.fragments if k[0] <= batch]

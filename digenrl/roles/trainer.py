@@ -41,8 +41,10 @@ from digenrl.models.lora import (load_trainable, load_trainable_state_dict, trai
 from digenrl.policy import build_model, prepare_for_training
 from digenrl.rl.loss import Sums, host_sums
 from digenrl.rl.lr import set_lr
+from digenrl.roles.compress import DeltaChain, decode_fragment
 from digenrl.roles.fragments import FragmentData, FragmentEngine, probe_velocity
 from digenrl.roles.rollout import GenerationMixin, limit_threads, reward_builder
+from digenrl.roles.sp_group import mirrored
 from digenrl.roles.trainer_group import (TrainerGroup, all_reduce_buckets, gathered_state_dict, group_backend,
                                          open_store, shard_model)
 from digenrl.roles.weights import pack_buckets, state_digest
@@ -64,6 +66,8 @@ class TrainerActor(GenerationMixin, Actor):
         staleness: the largest ``batch - policy_version`` a trained sample may have.
         bucket_mb: weight bucket size for publication.
     """
+
+    samples_cross_link = False  # fragments it generates (TAG) go to trainers on its own fabric, uncompressed
 
     def __init__(self, config: dict[str, Any], threads: int = 1, staleness: int = 0, bucket_mb: float = 64.0) -> None:
         self.config = config
@@ -101,6 +105,10 @@ class TrainerActor(GenerationMixin, Actor):
         # zmq lane of a run that rollout actors may join (placement.max_rollout): the newest two published
         # versions, packed, for a newcomer (the gloo / nccl publisher keeps its own)
         self._kept: dict[int, tuple[list[list[Any]], list[torch.Tensor]]] | None = {} if cfg.placement.late_rollout else None
+        # transport.weights_compression: the rollout pool's weights, moved by deltas (roles/compress.py; zmq lane)
+        tc = cfg.transport
+        self._deltas = DeltaChain(tc.weights_codec, tc.topk_fraction, tc.weights_max_error) \
+            if tc.weights_codec != "none" else None
 
     def _new_optimizer(self) -> None:
         t = self.cfg.train
@@ -154,6 +162,7 @@ class TrainerActor(GenerationMixin, Actor):
         self.group = TrainerGroup(group["rank"], group["world_size"], group["address"],
                                   group_backend(self.cfg.model.device), t.group_timeout,
                                   store=self._store if group["rank"] == 0 else None)
+        self._join_trainer_mesh(group, self.model)  # a sequence-parallel trainer: its SP and data-parallel groups
         if self.shard == "fsdp":
             shard_model(self.model, t.fp32_master and self.cfg.model.dtype != "float32")
             self._new_optimizer()
@@ -168,7 +177,7 @@ class TrainerActor(GenerationMixin, Actor):
     @endpoint(control=True)
     async def store_fragment(self, data: dict[str, Any]) -> None:
         """Keep a scored fragment's transitions until its rows are trained (replaces an older copy)."""
-        frag = FragmentData.from_wire(data)
+        frag = FragmentData.from_wire(decode_fragment(data))  # (packed for the link: transport.samples_compression)
         self.store[frag.key] = frag
 
     @endpoint(control=True)
@@ -194,6 +203,7 @@ class TrainerActor(GenerationMixin, Actor):
 
     # -- training ------------------------------------------------------------------------------
     @endpoint
+    @mirrored
     async def train(self, token: dict[str, Any], frags: list[dict[str, Any]]) -> dict[str, Any]:
         """Forward/backward over a TRAIN token's rows; gradients accumulate until ``optim``.
 
@@ -271,6 +281,7 @@ class TrainerActor(GenerationMixin, Actor):
             load_trainable_state_dict(self.model, current)  # bit for bit: gradients and optimizer untouched
 
     @endpoint
+    @mirrored
     async def optim(self, batch: int, total_rows: int, keep_previous: bool = False) -> dict[str, Any]:
         """The optimizer step of ``batch``: sum the group's gradients, divide by ``total_rows``, clip, step.
 
@@ -311,8 +322,9 @@ class TrainerActor(GenerationMixin, Actor):
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
         divisor = float(total_rows)
-        if self.shard == "ddp":
-            all_reduce_buckets([p.grad for p in self.params], self.bucket_mb)
+        self.sync_sp_gradients(self.params)  # a sequence-parallel group's members: the SP=1 gradients
+        if self.shard == "ddp":  # (with SP: over the members of this SP rank, one per trainer)
+            all_reduce_buckets([p.grad for p in self.params], self.bucket_mb, group=self.dp_group)
         elif self.shard == "fsdp" and self.group is not None:  # reduce-scattered in backward, as a mean
             divisor /= self.group.world_size
         for p in self.params:
@@ -352,7 +364,8 @@ class TrainerActor(GenerationMixin, Actor):
 
         ``version`` is the trainer's, or the one before right after a one-step-stale resume. Under
         FSDP every member is called (the others only help gather, with no ``rollouts``).
-        Returns the span, the bytes sent per receiver and ``failed``: receivers found dead.
+        Returns the span, the bytes sent per receiver and ``failed``: receivers found dead (with
+        transport.weights_compression also ``compression``: :meth:`_publish_deltas`).
 
         Raises:
             StalenessViolation: this trainer does not hold ``version``.
@@ -363,20 +376,44 @@ class TrainerActor(GenerationMixin, Actor):
         if not rollouts and not keep:
             return {"t0": t0, "t1": time.time(), "bytes": 0, "failed": []}
         layout, buckets = pack_buckets(sd, self.bucket_mb)
+        if self._deltas is not None:
+            return {"t0": t0, **await self._publish_deltas(version, layout, buckets, rollouts, keep)}
         if keep:
-            assert self._kept is not None
-            self._kept[version] = (layout, buckets)
-            for old in sorted(self._kept)[:-2]:
-                del self._kept[old]
+            self._keep(version, layout, buckets)
         failed = await self._send_weights(version, layout, buckets, rollouts)
         return {"t0": t0, "t1": time.time(), "bytes": sum(b.numel() * b.element_size() for b in buckets),
                 "failed": failed}
 
-    async def _send_weights(self, version: int, layout: list[list[Any]], buckets: list[torch.Tensor],
-                            rollouts: list[str]) -> list[str]:
-        """zmq lane: ``version`` to each of ``rollouts``; returns those found dead."""
-        results = await asyncio.gather(*(self.peers[r].receive_weights.call(version, layout, buckets) for r in rollouts),
-                                       return_exceptions=True)
+    def _keep(self, version: int, layout: list[list[Any]], buckets: list[torch.Tensor]) -> None:
+        assert self._kept is not None
+        self._kept[version] = (layout, buckets)
+        for old in sorted(self._kept)[:-2]:
+            del self._kept[old]
+
+    async def _publish_deltas(self, version: int, layout: list[list[Any]], buckets: list[torch.Tensor],
+                              rollouts: list[str], keep: bool) -> dict[str, Any]:
+        """``version`` as a delta against what the rollout actors hold (the view); in full to anyone else.
+
+        Returns ``bytes`` (per receiver of the delta), ``failed`` and ``compression``: the publication's stats
+        (its method, bytes, the uncompressed bytes, the receivers' max-abs / relative error, the view's digest).
+        """
+        assert self._deltas is not None
+        pub = await self._compute(self._deltas.plan, version, layout, buckets, rollouts)
+        if keep:
+            self._keep(version, layout, pub.view)  # a newcomer gets what the others hold
+        failed = await self._send_weights(version, layout, pub.view, pub.full_to)
+        if pub.delta is not None:
+            failed += await self._send_weights(version, layout, pub.delta, pub.delta_to, base=pub.base)
+        self._deltas.delivered(pub, failed)
+        return {"t1": time.time(), "bytes": pub.stats["bytes"], "failed": failed, "compression": pub.stats}
+
+    async def _send_weights(self, version: int, layout: list[list[Any]], buckets: list[Any],
+                            rollouts: list[str], base: int | None = None) -> list[str]:
+        """zmq lane: ``version`` to each of ``rollouts`` (with ``base``: ``buckets`` is a delta against that version,
+        which they hold); returns those found dead."""
+        results = await asyncio.gather(*(self.peers[r].receive_weights.call(version, layout, buckets) if base is None
+                                         else self.peers[r].receive_weights_delta.call(version, base, layout, buckets)
+                                         for r in rollouts), return_exceptions=True)
         # A receiver that died is the coordinator's business (it re-plans); any other failure is a bug.
         failed = [r for r, res in zip(rollouts, results, strict=True) if isinstance(res, ActorDied)]
         for res in results:
@@ -409,6 +446,8 @@ class TrainerActor(GenerationMixin, Actor):
         failed: list[str] = []
         for version in sorted(self._kept):
             failed += await self._send_weights(version, *self._kept[version], [n for n in newcomers if n not in failed])
+        if self._deltas is not None:  # they hold the view now: the next delta reaches them too
+            self._deltas.admitted([n for n in newcomers if n not in failed])
         return {"versions": sorted(self._kept), "generation": -1, "failed": failed, "t0": t0, "t1": time.time()}
 
     @endpoint
@@ -436,8 +475,10 @@ class TrainerActor(GenerationMixin, Actor):
 
     @endpoint(control=True)
     async def weights_info(self) -> dict[str, Any]:
-        """The version held and the digest of its trainable weights (under FSDP: of this member's shards)."""
-        return {"version": self.version, "digest": self._digest()}
+        """The version held, the digest of its trainable weights (under FSDP: of this member's shards) and, with
+        transport.weights_compression, the stats of the latest publications (``DeltaChain.log``)."""
+        return {"version": self.version, "digest": self._digest(),
+                "publications": list(self._deltas.log) if self._deltas is not None else []}
 
     def _digest(self) -> str:
         from torch.distributed.tensor import DTensor
@@ -446,6 +487,7 @@ class TrainerActor(GenerationMixin, Actor):
         return state_digest({k: v.to_local() if isinstance(v, DTensor) else v for k, v in sd.items()})
 
     @endpoint
+    @mirrored
     async def probe_velocity(self, seed: int = 0) -> torch.Tensor:
         """The velocity at this trainer's weights on the rollout actors' probe input.
 
@@ -457,6 +499,7 @@ class TrainerActor(GenerationMixin, Actor):
         return await self._compute(probe_velocity, self.engine, seed)
 
     @endpoint
+    @mirrored
     async def sample_evaluation(self, version: int, prompts: list[str]) -> dict[str, Any]:
         """The fixed evaluation's clean latents of ``prompts`` at this trainer's weights, which must be ``version``
         (:func:`digenrl.roles.evaluation.sample_evaluation`; LoRA merged and restored bit for bit, no gradients,
@@ -530,6 +573,7 @@ class TrainerActor(GenerationMixin, Actor):
                                         options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
     @endpoint
+    @mirrored
     async def load_state(self, directory: str, version: int) -> str:
         """Restore weights and optimizer from a checkpoint directory; returns the weights' digest.
 

@@ -89,20 +89,21 @@ class TrainerGroup:
         backend: ``gloo`` or ``nccl``.
         timeout_s: how long a collective (and the rendezvous) may wait for a peer.
         store: the lead's own store (from :func:`open_store`); the others connect to ``address``.
+        label: what the group is, for errors (a rollout actor's sequence-parallel group forms the same way).
 
     Raises:
         RuntimeError: the group could not form within ``timeout_s`` (a trainer never joined).
     """
 
     def __init__(self, rank: int, world_size: int, address: str, backend: str, timeout_s: float,
-                 store: Any = None) -> None:
+                 store: Any = None, label: str = "trainer group") -> None:
         import torch.distributed as dist
 
         if dist.is_initialized():
             raise RuntimeError("this process is already in a torch.distributed group; a trainer joins exactly one")
         host, port = address.rsplit(":", 1)
         timeout = datetime.timedelta(seconds=timeout_s)
-        what = f"trainer group rank {rank} of {world_size} (rendezvous {address})"
+        what = f"{label} rank {rank} of {world_size} (rendezvous {address})"
         # gloo: listen where the other trainers reach this host (gloo_iface), not where its name resolves.
         listen = gloo_env(host, what) if backend == "gloo" else contextlib.nullcontext()
         chosen = None

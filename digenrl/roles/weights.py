@@ -134,6 +134,19 @@ class WeightStore:
         with self._lock:
             return sorted(self._versions)
 
+    def held(self, version: int) -> dict[str, torch.Tensor]:
+        """The stored weights of ``version`` (read-only: a compressed publication's base).
+
+        Raises:
+            StalenessViolation: ``version`` is not stored here.
+        """
+        with self._lock:
+            sd = self._versions.get(version)
+        if sd is None:
+            raise StalenessViolation(f"a delta against v{version} arrived, but this rollout actor holds "
+                                     f"{self.versions}; the trainer must send it in full")
+        return sd
+
     def stage(self, version: int, sd: dict[str, torch.Tensor]) -> None:
         """Keep ``sd`` as ``version``; the oldest versions beyond ``keep`` are dropped."""
         with self._lock:
@@ -167,7 +180,6 @@ class WeightStore:
             return state_digest(trainable_state_dict(self.model, copy_tensors=False))
         with self._lock:
             return state_digest(self._versions[version])
-
 
 class CommPublisher:
     """The lead trainer's side of the ``gloo`` / ``nccl`` weight lane.

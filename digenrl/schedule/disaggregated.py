@@ -13,9 +13,10 @@ State machine (one instance per run; ``start()`` then ``on_event()`` per event):
   further-advanced fragments go first (depth-first, group-major: whole prompt groups finish early).
 - Reward. A REWARD device scores; without one, the device holding the final latents does.
 - Training. A prompt chunk's fragments become trainable when all of them are scored (with GAP), or
-  when the whole batch is (without GAP). Trainers carve TRAIN tokens off the batch-``V`` queue; when
-  every row of batch ``V`` is trained and all trainers are idle, one OPTIM collective runs, then the
-  lead trainer PUBLISHes ``V + 1``.
+  when the whole batch is (without GAP, or with ``batch_advantages``: advantages need every group of
+  the batch, so a TRAIN token never waits for fragments only its trainer could generate). Trainers
+  carve TRAIN tokens off the batch-``V`` queue; when every row of batch ``V`` is trained and all
+  trainers are idle, one OPTIM collective runs, then the lead trainer PUBLISHes ``V + 1``.
 - TAG (``_tag.py``). An idle trainer with no training work ready takes a short step-range token of
   batch ``V`` (or ``V + 1`` with staleness 1) at its own version when the BTS-like makespan test,
   switch cost included, says the batches finish sooner. Training is always dispatched before helping.
@@ -188,8 +189,9 @@ class DisaggregatedSchedule(RolloutMixin, TagMixin, DispatchingSchedule):
         while self._opened < upto:
             self._opened += 1
             g = self.sizes
+            # (batch-wide advantages: the full-batch barrier, whatever the fragments' sizes)
             self._batches[self._opened] = BatchState(self._opened, self.w, g.fragment_groups, g.fragment_members,
-                                                     self.opt.gap)
+                                                     self.opt.gap and not self.opt.batch_advantages)
 
     # -- dispatch ------------------------------------------------------------------------------
     def _dispatch(self, out: list[Token]) -> None:

@@ -51,6 +51,10 @@ class ScheduleOptions:
         tag_steps: denoising steps per helper token (short, so the trainer returns quickly).
         previous_version: the rollout devices start with version -1 as well as 0 (a one-step-stale
             run resumed from a checkpoint: its first batch was generated with the version before).
+        batch_advantages: advantages need every group of the batch (``train.adv_std = "global"``:
+            the batch's reward std), so no row is trainable before the whole batch is scored, with
+            or without GAP. A TRAIN token issued earlier would hold its trainer idle while the
+            fragments it waits for may need that very trainer to generate them (TAG).
     """
 
     colocated: bool = False
@@ -65,6 +69,7 @@ class ScheduleOptions:
     train_pack: int | None = None
     tag_steps: int | None = None
     previous_version: bool = False
+    batch_advantages: bool = False
 
     def validate(self, workload: Workload) -> None:
         """Check the switches against each other and the workload.

@@ -25,6 +25,7 @@ from digenrl.errors import ConfigError
 from digenrl.schedule import PRESETS, SCHEDULES, make_schedule
 from digenrl.schedule.base import Role
 from digenrl.sim.calibration import calibrate, cost_source, fitted_source, schedule_params
+from digenrl.sim.cross_site import far_site_verdict, home_only, scenario_traffic
 from digenrl.sim.decompose import decompose
 from digenrl.sim.engine import simulate
 from digenrl.sim.measured import MeasuredCost
@@ -39,8 +40,8 @@ from digenrl.telemetry.trace import write_gantt, write_trace
 __all__ = ["BubbleReport", "run_bubbles", "simulate_pair", "pool_bubbles", "DEFAULT_SCENARIOS", "RUNS"]
 
 # The default selection: the paper scenarios and the heterogeneous testbed (the scaling sweep is
-# selected by name, e.g. ``--scenario scale-1024``).
-DEFAULT_SCENARIOS: tuple[str, ...] = tuple(s.name for s in SCENARIOS.values() if s.kind != "scaling")
+# selected by name, e.g. ``--scenario scale-1024``; so are the cross-site ones, ``--scenario xs-qwen-lora-1g``).
+DEFAULT_SCENARIOS: tuple[str, ...] = tuple(s.name for s in SCENARIOS.values() if s.kind not in ("scaling", "cross-site", "long-video"))
 # What a row can be: digenrl's schedules, then the peers.
 RUNS: tuple[str, ...] = (*SCHEDULES, *PEERS)
 
@@ -99,14 +100,18 @@ def simulate_pair(sc: Scenario, schedule: str, num_batches: int, planned: Planne
                               "switches, lending); measured costs (--costs) price digenrl's schedules only")
         return simulate_peer(sc, PEERS[schedule], num_batches)
     mine = planned if planned is not None and planned.schedule == schedule else None
+    if PRESETS[schedule].colocated and sc.links:  # colocated on the training cluster alone (cross_site.py)
+        sc = home_only(sc)
     colocated, split = PRESETS[schedule].colocated, dict(mine.rollout) if mine else None
     devices, cost = (measured_placement(sc, colocated, measured, split) if measured is not None
-                     else placement(sc, colocated, schedule_params(schedule), rollout=split))
+                     else placement(sc, colocated, schedule_params(schedule), rollout=split,
+                                    sp=sc.sequence.of(schedule) if sc.sequence else (1, 1)))
     workload = sc.workload(num_batches)
     options = dict(mine.options) if mine else {}
     # measured on one host: its processes share its cores as the bench measured (None: each owns its compute)
     return simulate(make_schedule(schedule, devices, workload, cost, **options), devices, workload, cost,
-                    contention=measured.contention if measured is not None else None)
+                    contention=measured.contention if measured is not None else None,
+                    links=scenario_traffic(sc, devices, cost.params.grad_bytes if measured is None else 2.0))
 
 
 def _bound(sc: Scenario, colocated_sps: float, measured: MeasuredCost | None = None) -> float | None:
@@ -132,6 +137,7 @@ def _row(sc: Scenario, res: Timeline, sim_s: float, planned: bool = False, sourc
                   "trainer": sum(d.role is Role.TRAINER for d in res.devices),
                   "hybrid": sum(d.role is Role.HYBRID for d in res.devices)},
         "planned": planned,
+        "sequence_parallel": list(sc.sequence.of(res.schedule)) if sc.sequence else [1, 1],  # rollout, trainer SP
         "samples_per_s": s.samples_per_s, "speedup_vs_colocated": None,
         "bubble_ratio": {"rollout": s.bubble_rollout, "trainer": s.bubble_trainer, "overall": s.bubble_overall},
         "bubble_by_pool": pool_bubbles(res, [t for t, _ in sc.pools], s.start, s.end),
@@ -231,6 +237,8 @@ def run_bubbles(scenarios: list[str] | None = None, schedules: list[str] | None 
     for name in names:
         sc = load_scenario(name).scenario if name.endswith(".toml") else scenario(name)
         source = cost_source(sc.profile, measured)
+        if sc.sequence is not None:
+            report.notes.append(f"{sc.name}: sequence parallelism per run: {sc.sequence.describe()}")
         results: list[Timeline] = []
         base_sps = None
         rows = []
@@ -253,7 +261,9 @@ def run_bubbles(scenarios: list[str] | None = None, schedules: list[str] | None 
             r["speedup_vs_colocated"] = r["samples_per_s"] / base_sps if base_sps else None
             r["speedup_bound"] = bound
         report.rows.extend(rows)
-        if decomposition and "async1" in chosen and measured is None:
+        if sc.links:  # far sites: each row against the training cluster alone
+            report.notes.append(far_site_verdict(sc, rows, num_batches))
+        if decomposition and "async1" in chosen and measured is None and not sc.links:
             report.decomposition[sc.name] = decompose(sc, num_batches, {r["schedule"]: r["samples_per_s"] for r in rows})
         if out is not None:
             k = min(gantt_batches, num_batches) - 1

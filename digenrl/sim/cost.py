@@ -25,6 +25,9 @@ Per token (``F`` = one transformer pass of one sample, ``profiles.ModelProfile.f
   the same gradient bytes as a reduce-scatter; its parameter all-gathers are not charged here.
 - PUBLISH: the trainable weights (LoRA adapter or full model, bf16) at the measured NCCL
   broadcast efficiency.
+- SP (``sp``: a device that stands for a sequence-parallel group of k devices, ``sequence.py``): ROLLOUT's and
+  TRAIN's transformer passes at one rank's share of the compute, plus Ulysses' all-to-alls over the group's link and
+  a per-pass overhead; OPTIM's all-reduce runs over every rank of every group.
 - SWITCH (colocated): the rollout engine's weights and the trainer's parameter shard over PCIe.
   A TAG helper on a trainer pays the same onload/offload of the rollout weights, charged by the
   simulator on each change between training and helping (``tag_switch_seconds``).
@@ -39,6 +42,7 @@ from digenrl.schedule.base import Device, Role, Token, TokenKind
 from digenrl.schedule.cost import ring_allreduce_seconds
 from digenrl.sim.devices import GPUS_PER_NODE, DeviceSpec
 from digenrl.sim.profiles import BF16, ModelProfile
+from digenrl.sim.sequence import UlyssesCost, ulysses_cost
 
 __all__ = ["CostParams", "CostModel", "TRAIN_PASSES"]
 
@@ -139,6 +143,9 @@ class CostModel:
     _train_side: int = 1  # devices holding a training shard (trainers or hybrids)
     _k: dict[str, float] = field(default_factory=dict)  # per-token constants, computed once
     _memo: dict[tuple[object, ...], float] = field(default_factory=dict)  # compute seconds by token shape
+    # device name -> its sequence-parallel degree (an SP group of that many devices acting as one; sim/sequence.py)
+    sp: dict[str, int] = field(default_factory=dict)
+    _ulysses: dict[str, UlyssesCost] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         missing = set(self.roles) - set(self.specs)
@@ -222,10 +229,12 @@ class CostModel:
         p, k = self.params, self._k
         if kind is TokenKind.ROLLOUT:
             steps = self._steps(token)
-            flops = token.num_samples * steps * k["roll"]
+            seconds = self._sequence(device.name, self._compute(token.num_samples * steps * k["roll"], spec,
+                                                                p.mfu_rollout),
+                                     token.num_samples * self.profile.cfg_rollout, steps)
             if token.step_start == 0 and k["text"]:
-                flops += sum(f.num_prompts for f in token.fragments) * k["text"]
-            return self._compute(flops, spec, p.mfu_rollout) + steps * p.pass_latency_s
+                seconds += self._compute(sum(f.num_prompts for f in token.fragments) * k["text"], spec, p.mfu_rollout)
+            return seconds + steps * p.pass_latency_s
         if kind is TokenKind.REWARD:
             n = token.num_samples
             return (self._compute(n * k["decode"], spec, p.mfu_rollout) + self._compute(n * k["reward"], spec, self._mfu_reward)
@@ -239,6 +248,22 @@ class CostModel:
         if kind is TokenKind.SWITCH:
             return self.switch_seconds(device.name)
         raise ConfigError(f"token kind {kind!r} has no cost")
+
+    def ulysses(self, name: str) -> UlyssesCost | None:
+        """What device ``name``'s SP group pays beside its compute (None: one device, no sequence parallelism)."""
+        degree = self.sp.get(name, 1)
+        if degree == 1:
+            return None
+        if name not in self._ulysses:
+            spec = self.specs[name]  # a group inside one node: NVLink (PCIe without); larger ones cross the NIC
+            link = spec.intra_node_bytes_per_s if degree <= GPUS_PER_NODE else spec.net_bytes_per_s
+            self._ulysses[name] = ulysses_cost(self.profile, degree, link, self.params.collective_latency_s)
+        return self._ulysses[name]
+
+    def _sequence(self, name: str, compute_s: float, rows: int, passes: float) -> float:
+        """``compute_s`` (one device's) on ``name``'s SP group: ``passes`` passes of ``rows`` rows each."""
+        cost = self.ulysses(name)
+        return compute_s if cost is None else cost.seconds(compute_s, rows, passes)
 
     def _pull(self, token: Token, device: Device) -> float:
         """Latents of fragments another device holds, moved before this token runs."""
@@ -263,6 +288,7 @@ class CostModel:
         seconds = self._compute(token.transitions * self.row_passes(role) * self._k["train"], spec, p.mfu_train)
         if token.packed:
             seconds *= 1.0 - p.tsp_train_saving
+        seconds = self._sequence(device.name, seconds, token.transitions * self.profile.cfg_train, self.row_passes(role))
         if role is Role.TRAINER:
             # what the rollout side ships crosses the network: each row's latents, each sample's latent and
             # conditioning (pessimistic: a same-node source would use NVLink, and rows of a sample split over two
@@ -280,9 +306,10 @@ class CostModel:
 
     def allreduce_seconds(self, group: tuple[str, ...]) -> float:
         """The gradient all-reduce of one optimizer step over the trainer group ``group``."""
-        if len(group) < 2:
+        ranks = sum(self.sp.get(g, 1) for g in group)  # an SP group's ranks hold partial gradients too
+        if ranks < 2:
             return 0.0
-        return ring_allreduce_seconds(self.params.grad_bytes * self.profile.trainable_params, len(group),
+        return ring_allreduce_seconds(self.params.grad_bytes * self.profile.trainable_params, ranks,
                                       self._group_bytes_per_s(group), self.params.collective_latency_s)
 
     def publish_seconds(self, source: str) -> float:

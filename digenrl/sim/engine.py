@@ -16,6 +16,11 @@ arrive and regenerate them (veRL-Omni v0.3, issues #586/#610): when a PUBLISH en
 token running on a rollout device starts over; the work thrown away becomes an ``abort`` span
 (overhead, not compute) and the token ends that much later.
 
+``links`` models far sites behind slow links (:mod:`digenrl.sim.link_traffic`): a token that moves data
+across one (a publication, a far fragment's upload or latents) holds its devices for the transfer, as the
+runtime's do, and can be held longer still, when data queued ahead of the reply it awaits; a token whose
+version has not reached its site yet first waits, as a ``link`` span.
+
 ``contention`` models devices that are single-thread processes sharing a CPU host's cores
 (:mod:`digenrl.sim.contention`): the engine then runs on a work clock, every busy device advancing at
 ``1 / contention.mix_factor(kinds the busy devices run)``, and maps every time back to wall seconds at
@@ -30,6 +35,7 @@ from typing import Protocol
 from digenrl.errors import DigenrlError
 from digenrl.schedule.base import Device, Role, Schedule, Token, TokenDone, TokenKind, Workload
 from digenrl.sim.contention import Contention, WallClock
+from digenrl.sim.link_traffic import LinkTraffic
 from digenrl.telemetry.spans import Span, Timeline
 
 __all__ = ["SimulationError", "TokenCost", "simulate"]
@@ -49,7 +55,7 @@ class SimulationError(DigenrlError):
 
 def simulate(schedule: Schedule, devices: list[Device], workload: Workload, cost: TokenCost,
              max_tokens: int = 50_000_000, sync_aborts: bool = False,
-             contention: Contention | None = None) -> Timeline:
+             contention: Contention | None = None, links: LinkTraffic | None = None) -> Timeline:
     """Run ``schedule`` to completion on a virtual clock.
 
     Args:
@@ -60,6 +66,8 @@ def simulate(schedule: Schedule, devices: list[Device], workload: Workload, cost
         max_tokens: safety bound against a schedule that never finishes.
         sync_aborts: every weight publication restarts the rollouts in flight (see the module docstring).
         contention: the devices share a host's cores (see the module docstring); ``None``: each owns its compute.
+        links: the far sites' links (``link_traffic.py``): a token's transfers lengthen it, a version not yet
+            at its site is waited for as a ``link`` span; ``None``: one fabric.
 
     Raises:
         SimulationError: a token names an unknown or busy device, the schedule stalls (no token
@@ -74,6 +82,7 @@ def simulate(schedule: Schedule, devices: list[Device], workload: Workload, cost
     optim_end: dict[int, float] = {}
     clock = WallClock(contention) if contention is not None else None
     began: dict[int, float] = {}  # token id -> work time its own run began (after a switch; contention only)
+    first_span: dict[int, int] = {}  # running token id -> index of its first span (links only)
     seq = 0
     now = 0.0
 
@@ -97,7 +106,14 @@ def simulate(schedule: Schedule, devices: list[Device], workload: Workload, cost
                     spans.append(Span(device.name, TokenKind.SWITCH, token.batch, -1, token.policy_version,
                                       start, start + extra, helper=want_helper, token=token.id))
                     start += extra
+            if links is not None and (wait := links.wait(token, device.name, start)) > 0:
+                spans.extend(Span(name, "link", token.batch, token.fragment, token.policy_version, start, start + wait,
+                                  token=token.id) for name in occupied)
+                start += wait
             seconds = cost.seconds(token, device)
+            if links is not None:
+                seconds += links.carry(token, device.name, start, seconds)
+                first_span[token.id] = len(spans)
             end = start + seconds
             if clock is not None:
                 began[token.id] = start
@@ -113,12 +129,20 @@ def simulate(schedule: Schedule, devices: list[Device], workload: Workload, cost
     launch(schedule.start())
     issued = len(heap)
     while heap:
-        now, _, seconds, token = heapq.heappop(heap)
+        now, order, seconds, token = heapq.heappop(heap)
+        if links is not None and (later := links.hold(token, now)) > now:  # a reply it awaits queued behind data
+            for i in range(first_span[token.id], first_span[token.id] + len(token.devices)):
+                spans[i] = spans[i]._replace(end=later)
+            heapq.heappush(heap, (later, order, seconds + later - now, token))
+            continue
+        first_span.pop(token.id, None)
         if clock is not None:
             clock.advance(now, [t.kind.value for t in busy.values()])  # what ran since the previous event
             seconds = clock.wall(now) - clock.wall(began.pop(token.id))  # what a real driver observes
         for name in token.devices:
             del busy[name]
+        if links is not None:
+            links.done(token, now)
         if token.kind is TokenKind.OPTIM:
             optim_end[token.batch] = now
         if token.kind is TokenKind.ROLLOUT:

@@ -100,7 +100,8 @@ def peer(name: str) -> Peer:
 def simulate_peer(sc: Scenario, p: Peer, num_batches: int) -> Timeline:
     """Simulate scenario ``sc`` as peer ``p`` runs it (its own placement rule: hybrid or split)."""
     params = dataclasses.replace(calibrated_params(), **p.cost)  # type: ignore[arg-type]
-    devices, cost = placement(sc, colocated=p.options.colocated, params=params)
+    devices, cost = placement(sc, colocated=p.options.colocated, params=params,
+                              sp=sc.sequence.of(p.name) if sc.sequence else (1, 1))  # its own SP
     workload = sc.workload(num_batches)
     schedule = build_schedule(devices, workload, p.options, cost, p.name)
     return simulate(schedule, devices, workload, cost, sync_aborts=p.sync_aborts)

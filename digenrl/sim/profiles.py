@@ -198,6 +198,9 @@ _VAE_DECODE_FLOPS: dict[tuple[str, int, int, int], int] = {
     ("sd3", 1, 64, 64): 2_514_971_787_264,  # SD3.5's VAE is FLUX.1's architecture (other scaling factors)
     ("wan", 9, 60, 104): 112_752_200_171_520,
     ("hunyuan-video", 9, 40, 64): 124_870_570_803_200,
+    # long video (configs/wan_long.toml, the long-video scenarios): Wan2.1 480x832 x 81 frames, HunyuanVideo 720p x 129
+    ("wan", 21, 60, 104): 275_352_205_639_680,
+    ("hunyuan-video", 33, 90, 160): 2_999_972_184_883_200,
 }
 
 

@@ -51,8 +51,11 @@ from digenrl.schedule.base import Device, Role, Workload
 from digenrl.sim.calibration import calibrated_params
 from digenrl.sim.cost import CostModel, CostParams
 from digenrl.sim.devices import DeviceSpec, device_spec
+from digenrl.sim.links import Link
 from digenrl.sim.measured import MeasuredCost
 from digenrl.sim.profiles import ModelProfile, RowCost, clean_sample_rows, profile
+from digenrl.sim.flops import SampleShape
+from digenrl.sim.sequence import SequenceRuns, group_devices, group_speedup
 from digenrl.sim.window import SlidingWindow
 
 __all__ = ["Scenario", "PlannedSplit", "SCENARIOS", "scenario", "placement", "measured_placement",
@@ -80,6 +83,8 @@ class Scenario:
         recipe: where the recipe comes from (the profile's ``recipe`` when it is changed).
         config: the shipped config (``configs/<config>.toml``) the planner plans it with; ``""`` = the model's.
         window: a sliding SDE window whose rollout forwards move with the version (None: every step runs one).
+        links: ``(device type, link)`` of each pool that is a far site behind a link (``links.py``); () = one fabric.
+        full_finetune: train (and publish) the whole transformer instead of the recipe's LoRA adapter.
     """
 
     name: str
@@ -97,11 +102,19 @@ class Scenario:
     recipe: str = ""
     config: str = ""
     window: SlidingWindow | None = None
+    links: tuple[tuple[str, Link], ...] = ()
+    full_finetune: bool = False
+    shape: SampleShape | None = None  # the recipe's sample when it is not the paper profile's (long video)
+    sequence: SequenceRuns | None = None  # each run's SP degrees (sim/sequence.py); None: SP 1 everywhere
 
     @property
     def profile(self) -> ModelProfile:
         """The model's paper recipe at this scenario's size (with the scenario's CFG passes, rows and window)."""
         prof = profile(self.model, self.variant)
+        if self.full_finetune:
+            prof = replace(prof, trainable_params=prof.transformer_params, recipe=f"{prof.recipe}, full fine-tune")
+        if self.shape is not None:
+            prof = replace(prof, shape=self.shape, recipe=self.recipe or prof.recipe)
         if not self.passes and self.rows is None and self.window is None:
             return prof
         return replace(prof, cfg_rollout=self.passes or prof.cfg_rollout, cfg_train=self.passes or prof.cfg_train,
@@ -116,7 +129,8 @@ class Scenario:
 
     @property
     def testbed(self) -> str:
-        return " + ".join(f"{n}x{t}" for t, n in self.pools)
+        far = dict(self.links)
+        return " + ".join(f"{n}x{t}" + (f"@{far[t]}" if t in far else "") for t, n in self.pools)
 
 
 @dataclass(frozen=True, slots=True)
@@ -193,6 +207,35 @@ def _forward() -> list[Scenario]:
 _MIXGRPO = "Tencent-Hunyuan/MixGRPO scripts/finetune/finetune_flux_grpo_MixGRPO*.sh (FLUX.1-dev, 25 steps, W 4)"
 
 
+# What each modelled peer's sequence parallelism is (SYSTEMS.md §10, 2026-12): veRL-Omni v0.3 has Ulysses SP in its
+# actor (one recipe, Qwen-Image at SP 2; no Wan2.1-14B or HunyuanVideo pipeline, video recipes at 8 frames); UniRL
+# v0.2 runs Ulysses SP on a folded FSDP2 mesh in its trainer (degree for these models not published); Flow-GRPO,
+# DiffusionNFT and Flow-Factory run one diffusers loop without SP.
+_LONG_VIDEO_PEERS = (
+    ("colocated", (2, 2), "veRL-Omni hybrid: Ulysses in the actor; its one SP recipe is SP 2 (Qwen-Image), no "
+                          "pipeline for this model: modelled at that degree"),
+    ("colocated-flowgrpo", (1, 1), "Flow-GRPO / DiffusionNFT / Flow-Factory: no SP; memory not checked"),
+    ("verl-omni-async", (1, 2), "veRL-Omni actor SP 2 as its one recipe; rollout SP unknown: 1"),
+    ("verl-omni-async-lend", (1, 2), "as verl-omni-async"),
+    ("unirl", (1, 2), "UniRL: Ulysses on a folded FSDP2 mesh in the trainer, degree unknown: 2; rollout SP unknown: 1"),
+)
+
+
+def _long_video() -> list[Scenario]:
+    """Long video (SYSTEMS.md §10): Wan2.1-14B at Flash-GRPO's 480x832 x 81 frames (32,760 tokens a row, one trained
+    step, configs/wan_long.toml's batch) and HunyuanVideo-13B at 720p x 129 frames (118,800 video tokens, DanceGRPO's
+    batch), each run at its SP (digenrl: the trainer SP 2 the memory plan needs; the peers: ``_LONG_VIDEO_PEERS``)."""
+    runs = SequenceRuns((1, 2), _LONG_VIDEO_PEERS)
+    wan = SampleShape.from_pixels(81, 480, 832, 512)
+    hunyuan = SampleShape.from_pixels(129, 720, 1280, 256)
+    return [Scenario("wan-long-16", "wan", 8, 8, 20, 1, (("H100", 16),), kind="long-video", variant="14B",
+                     shape=wan, sequence=runs, config="wan_long",
+                     recipe="Flash-GRPO's Wan2.1 geometry (480x832 x 81 frames, one trained step), LoRA r32, CFG"),
+            Scenario("hunyuan-long-32", "hunyuan-video", 16, 24, 16, 3, (("H100", 32),), kind="long-video",
+                     shape=hunyuan, sequence=runs,
+                     recipe="DanceGRPO's HunyuanVideo recipe at 720p x 129 frames (as xDiT serves it at SP up to 8)")]
+
+
 def _window() -> list[Scenario]:
     """The MixGRPO scenarios of the module docstring: the window moving every batch (the recipe: every 20-25)."""
     batch, pools = (32, 12, 25, 4), (("H800", 32),)
@@ -206,6 +249,22 @@ def _window() -> list[Scenario]:
     return out
 
 
+def _cross_site() -> list[Scenario]:
+    """A 32-H800 training cluster and a 16-A100 inference site behind 1 or 10 Gbit/s (``links.py``), the A100s
+    generating: Qwen-Image Flow-GRPO (the veRL-Omni recipe) and DiffusionNFT, LoRA r64 and full fine-tuning. Not in
+    the default selection; ``cross_site.py`` adds each its verdict against the training cluster alone."""
+    out = []
+    for algo, batch in (("", _RECIPES["qwen-image"]), ("nft-", (24, 16, 10, 10))):
+        for full in (False, True):
+            for gbit in (1, 10):
+                name = f"xs-qwen-{algo}{'full' if full else 'lora'}-{gbit}g"
+                pools, links = (("H800", 32), ("A100", 16)), (("A100", Link(gbit * 1e9)),)
+                sc = (_nft(name, "qwen-image", batch, pools, _QWEN_NFT, rollout_pool="A100") if algo else
+                      Scenario(name, "qwen-image", *batch, pools, rollout_pool="A100"))
+                out.append(replace(sc, kind="cross-site", links=links, full_finetune=full))
+    return out
+
+
 SCENARIOS: dict[str, Scenario] = {
     s.name: s
     for s in [
@@ -213,7 +272,9 @@ SCENARIOS: dict[str, Scenario] = {
         Scenario("hetero-flux", "flux", 32, 12, 16, 9, (("H800", 8), ("L40S", 16)), rollout_pool="L40S", kind="hetero"),
         *_forward(),
         *_window(),
+        *_long_video(),
         *_scaling(),
+        *_cross_site(),
     ]
 }
 
@@ -260,7 +321,7 @@ def _roles(sc: Scenario, colocated: bool, rollout: dict[str, int] | None,
 
 
 def placement(sc: Scenario, colocated: bool, params: CostParams | None = None,
-              rollout: dict[str, int] | None = None) -> tuple[list[Device], CostModel]:
+              rollout: dict[str, int] | None = None, sp: tuple[int, int] = (1, 1)) -> tuple[list[Device], CostModel]:
     """Devices (with roles) and the cost model of ``sc`` for a colocated or a disaggregated schedule.
 
     ``rollout``: a planned split (rollout devices per type, the first of each pool) instead of the
@@ -272,6 +333,10 @@ def placement(sc: Scenario, colocated: bool, params: CostParams | None = None,
     ref = device_spec("H800").peak_bf16_flops
     probe = CostModel(prof, {"x": device_spec(sc.pools[0][0])}, params, {"x": Role.HYBRID})
     specs, roles = _roles(sc, colocated, rollout, probe)
+    if sp != (1, 1):  # SP groups (sim/sequence.py): one simulated actor each, its speedup as the speed hint
+        specs, roles, degrees = group_devices(specs, roles, sp)
+        cost = CostModel(prof, specs, params, roles, sp=degrees)
+        return [Device(n, roles[n], specs[n].peak_bf16_flops / ref * group_speedup(cost, n)) for n in specs], cost
     devices = [Device(n, roles[n], specs[n].peak_bf16_flops / ref) for n in specs]
     return devices, CostModel(prof, specs, params, roles)
 

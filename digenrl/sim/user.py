@@ -22,11 +22,13 @@
     device = "L40S"
     count = 16
     roles = ["rollout"]
+    link = "1gbit/20ms"           # optional: this pool is a far site behind a link of that rate (and latency)
 
 The model is priced with its paper recipe (``profiles.PROFILES``: resolution, CFG, LoRA or full
 fine-tuning) at ``variant``'s size. Links come with the device type (NVLink / PCIe inside a node of 8,
-the type's NIC across nodes; see ``devices.py``). ``fleet_pools`` parses the short form of the command
-line, ``16xH800`` or ``8xH800+16xL40S``.
+the type's NIC across nodes; see ``devices.py``); a pool with a ``link`` is a site of its own behind it
+(``links.py``). ``fleet_pools`` parses the short form of the command line, ``16xH800``, ``8xH800+16xL40S``
+or ``8xH800+16xL40S@1gbit/20ms`` (the grammar: ``links.py``); ``format_fleet`` writes it back.
 """
 
 from __future__ import annotations
@@ -40,10 +42,12 @@ from typing import Any
 from digenrl.errors import ConfigError
 from digenrl.sim.devices import device_spec
 from digenrl.sim.flops import VARIANTS
+from digenrl.sim.link_traffic import far_links
+from digenrl.sim.links import Link, parse_link
 from digenrl.sim.profiles import ARCH_OF_MODEL
 from digenrl.sim.scenarios import Scenario
 
-__all__ = ["Pool", "ROLES", "UserScenario", "load_scenario", "fleet_pools", "ARCH_OF_MODEL"]
+__all__ = ["Pool", "ROLES", "UserScenario", "load_scenario", "fleet_pools", "format_fleet", "ARCH_OF_MODEL"]
 
 ROLES = ("rollout", "trainer")
 _ARCHS = ("qwen-image", "flux", "wan", "hunyuan-video", "sd3", "wan2.2", "qwen-image-edit")
@@ -51,11 +55,13 @@ _ARCHS = ("qwen-image", "flux", "wan", "hunyuan-video", "sd3", "wan2.2", "qwen-i
 
 @dataclass(frozen=True, slots=True)
 class Pool:
-    """``count`` devices of one catalog type, and the roles a planner may give them."""
+    """``count`` devices of one catalog type, the roles a planner may give them, and the link that reaches them
+    (``None``: the home site's fabric)."""
 
     device: str
     count: int
     roles: tuple[str, ...] = ROLES
+    link: Link | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,9 +75,9 @@ class UserScenario:
 def _pool(item: Any, where: str) -> Pool:
     if not isinstance(item, dict):
         raise ConfigError(f"{where}: must be a table with device and count")
-    unknown = sorted(set(item) - {"device", "count", "roles"})
+    unknown = sorted(set(item) - {"device", "count", "roles", "link"})
     if unknown:
-        raise ConfigError(f"{where}.{unknown[0]}: unknown key; allowed: device, count, roles")
+        raise ConfigError(f"{where}.{unknown[0]}: unknown key; allowed: device, count, roles, link")
     device = item.get("device")
     if not isinstance(device, str):
         raise ConfigError(f"{where}.device: a device type name is required")
@@ -82,22 +88,39 @@ def _pool(item: Any, where: str) -> Pool:
     roles = item.get("roles", list(ROLES))
     if not isinstance(roles, list) or not roles or any(r not in ROLES for r in roles):
         raise ConfigError(f"{where}.roles: must be a non-empty list of {', '.join(ROLES)}, got {roles!r}")
-    return Pool(spec.name, count, tuple(roles))
+    link = item.get("link")
+    if link is not None and not isinstance(link, str):
+        raise ConfigError(f"{where}.link: must be a string such as \"1gbit/20ms\", got {link!r}")
+    return Pool(spec.name, count, tuple(roles), parse_link(link, f"{where}.link") if link else None)
 
 
 def fleet_pools(spec: str) -> tuple[Pool, ...]:
-    """``"8xH800+16xL40S"`` -> two pools (any role).
+    """``"8xH800+16xL40S@1gbit/20ms"`` -> two pools (any role), the second a far site behind its link.
 
     Raises:
-        ConfigError: a part that is not ``<count>x<device>`` or an unknown device type.
+        ConfigError: a part that is not ``<count>x<device>[@<rate>[/<latency>]]``, an unknown device type, a bad
+            rate or latency, or a device type at two sites; the message names the part.
     """
     pools = []
     for part in spec.split("+"):
-        match = re.fullmatch(r"\s*(\d+)\s*[xX]\s*([A-Za-z0-9_-]+)\s*", part)
+        match = re.fullmatch(r"\s*(\d+)\s*[xX]\s*([A-Za-z0-9_-]+)\s*(?:@(.*))?", part)
         if not match or int(match.group(1)) < 1:
-            raise ConfigError(f"--fleet {spec!r}: {part!r} is not <count>x<device> (e.g. 16xH800+8xL40S)")
-        pools.append(Pool(device_spec(match.group(2)).name, int(match.group(1))))
+            raise ConfigError(f"--fleet {spec!r}: {part!r} is not <count>x<device>[@<rate>[/<latency>]] "
+                              "(e.g. 16xH800+8xL40S@1gbit/20ms)")
+        try:
+            device = device_spec(match.group(2)).name
+        except ConfigError as exc:
+            raise ConfigError(f"--fleet {spec!r}: {part.strip()!r}: {exc}") from exc
+        link = parse_link(match.group(3), f"--fleet {spec!r}: {part.strip()!r}") if match.group(3) is not None else None
+        pools.append(Pool(device, int(match.group(1)), link=link))
+    far_links([(p.device, p.link) for p in pools])  # one site per device type
     return tuple(pools)
+
+
+def format_fleet(pools: tuple[Pool, ...]) -> str:
+    """The short form of ``pools`` (their roles are not part of it): ``fleet_pools(format_fleet(p))`` gives
+    back their devices, counts and links."""
+    return "+".join(f"{p.count}x{p.device}" + (f"@{p.link}" if p.link else "") for p in pools)
 
 
 def load_scenario(path: str | Path) -> UserScenario:
@@ -143,5 +166,5 @@ def load_scenario(path: str | Path) -> UserScenario:
             raise ConfigError(f"{p}: rollout_pool: {rollout_pool!r} is not one of the pools' devices")
     sc = Scenario(str(data.get("name", p.stem)), model, numbers["prompts"], numbers["group_size"], numbers["num_steps"],
                   numbers["trained_steps"], tuple((pl.device, pl.count) for pl in pools), rollout_pool, kind="user",
-                  variant=str(variant))
+                  variant=str(variant), links=tuple(far_links([(pl.device, pl.link) for pl in pools]).items()))
     return UserScenario(sc, pools)

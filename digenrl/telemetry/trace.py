@@ -26,6 +26,7 @@ KIND_COLORS: dict[str, str] = {
     "publish": "#8172B3",
     "switch": "#937860",
     "abort": "#7F7F7F",  # a peer's rollout work thrown away on a weight sync (sim/peers.py)
+    "link": "#BCBD22",  # waiting for a version or a fragment to cross a slow link (sim/link_traffic.py)
 }
 _HELPER_COLOR = "#64B5CD"  # TAG: a trainer generating
 

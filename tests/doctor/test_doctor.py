@@ -102,7 +102,7 @@ def test_cpu_parity_problems_name_the_run_and_the_tolerance() -> None:
 def test_collectives_are_skipped_below_two_gpus(count: int) -> None:
     plan = gpu_checks.collective_plan(count)
     assert plan == {name: {"skipped": f"needs 2 GPUs, found {count}"} for name in gpu_checks.COLLECTIVES}
-    assert set(plan) == {"nccl_broadcast", "nccl_communicator"}
+    assert set(plan) == {"nccl_broadcast", "nccl_communicator", "nccl_all_to_all"}
 
 
 @pytest.mark.parametrize("count", [2, 8])
@@ -271,3 +271,25 @@ def test_published_width_block_trains_on_cpu(family: str) -> None:
     r = block_check(family, SMALL, device="cpu", dtype=torch.float32, rounds=1)
     assert r["ok"] is True, r.get("traceback")
     assert r["dim"] == {"qwenimage": 3072, "flux": 3072, "wan21": 5120, "hunyuanvideo": 3072, "sd3": 2432}[family]
+
+
+@pytest.mark.slow  # ~25 s on 2 busy cores: spawning the two gloo processes is most of it
+def test_sp_all_to_all_on_gloo_beside_a_memcpy(tmp_path: Path) -> None:
+    from digenrl.doctor.all_to_all import check_gloo
+
+    r = check_gloo(nbytes=4 << 20, rounds=3)
+    assert "error" not in r, r
+    assert r["processes"] == 2 and r["size_bytes"] == 4 << 20 and r["gbps"] > 0 and r["memcpy_gbps"] > 0
+    # gbps counts what a rank sends to the other (half its buffer); ratio = exchange time / memcpy time
+    assert r["gbps"] == pytest.approx(r["size_bytes"] / 2 / r["seconds"] / 1e9)
+    assert r["ratio"] == pytest.approx(r["seconds"] * r["memcpy_gbps"] * 1e9 / r["size_bytes"])
+
+
+@gpu_test(2)
+def test_sp_all_to_all_over_every_gpu() -> None:
+    from digenrl.doctor.all_to_all import check_nccl
+
+    n = torch.cuda.device_count()
+    r = check_nccl(n, nbytes=64 << 20, rounds=5)
+    assert r["gpus"] == n and r["gbps"] > 1.0, r  # NVLink or PCIe: well above a gigabyte a second
+    assert check_nccl(1) == {"skipped": "needs 2 GPUs, found 1"}

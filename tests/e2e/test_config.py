@@ -66,7 +66,7 @@ def test_shipped_config_loads_with_overrides() -> None:
         ("transport.bucket_mb=0", r"transport.bucket_mb: must be > 0"),
         ("log.keep_checkpoints=0", r"log.keep_checkpoints: must be >= 1"),
         ("log.trace=1", r"log.trace: must be of type bool"),
-        ("placement.workers=1", r"placement.workers = 1: one actor per joined worker needs at least 2"),
+        ("placement.workers=1", r"placement.workers = 1: one actor process per joined worker needs at least 2"),
         ("placement.workers=2", r"needs transport.actors = 'zmq' and transport.address = 'tcp://"),
         ("transport.address=http://127.0.0.1:5555", r"transport.address: must be an address starting with tcp:// or ipc://"),
         ("transport.address=tcp://127.0.0.1", r"transport.address: must be tcp://HOST:PORT with a port in 0\.\.65535"),

@@ -116,6 +116,27 @@ class Host:
         """Take this host's veth end down or up (a cable pulled and plugged back)."""
         _ip("-n", self.netns, "link", "set", self.iface, "up" if up else "down")
 
+    def shape(self, rate_bits_per_s: float) -> None:
+        """Hold what this host sends down its veth end to ``rate_bits_per_s`` (a ``tc`` token bucket, ``tbf``).
+
+        Egress only: a link slow both ways shapes both hosts. The bucket holds 2 ms of the rate (at least 8 KiB),
+        enough for the kernel's timers to keep up at 500 Mbit/s (with 8 KiB it carried 290-350), so n bytes take
+        at least ``(n - burst) / rate`` on the wire; the queue holds 400 ms of it, as a slow WAN's buffers do.
+        A second call changes the rate. AssertionError with tc's message when tc cannot do it."""
+        burst = max(8192, int(rate_bits_per_s * 2e-3 / 8))
+        self._tc("qdisc", "replace", "dev", self.iface, "root", "tbf", "rate", f"{int(rate_bits_per_s)}bit",
+                 "burst", str(burst), "latency", "400ms")
+
+    def unshape(self) -> None:
+        """Take the token bucket off this host's veth end (nothing to do when it has none)."""
+        if "tbf" in self._tc("qdisc", "show", "dev", self.iface):
+            self._tc("qdisc", "del", "dev", self.iface, "root")
+
+    def _tc(self, *args: str) -> str:
+        done = self.exec("tc", *args)
+        assert done.returncode == 0, f"tc {' '.join(args)} in {self.netns}: {done.stderr.strip()}"
+        return done.stdout
+
     def pids(self) -> list[int]:
         """Every process in this namespace (ours and whatever they forked)."""
         out = _ip("netns", "pids", self.netns, check=False).stdout

@@ -93,7 +93,8 @@ def run_and_check(w: Workload, options: ScheduleOptions, devices: list[Device], 
         return cost.seconds(token, roles[token.device]) * rng.uniform(0.5, 2.0) + 1e-3
 
     rep = replay(schedule, devices, duration, faults)
-    setup = Setup(w, options.staleness, options.gap, options.colocated,
+    # (batch_advantages: a batch trains only once it is all scored, as without GAP)
+    setup = Setup(w, options.staleness, options.gap and not options.batch_advantages, options.colocated,
                   {n: d.role for n, d in roles.items()}, frozenset(d.name for d in devices))
     errors = check(rep, setup)
     assert not errors, "\n".join(errors[:10])
@@ -132,6 +133,7 @@ SWITCHES = st.builds(
     tsp=st.booleans(),
     tag=st.booleans(),
     staleness=st.sampled_from([0, 1]),
+    batch_advantages=st.booleans(),
 )
 
 
