@@ -116,6 +116,11 @@ def sp_candidates(cfg: Config, pools: tuple[Pool, ...], traces: object,
     options, notes = {}, []
     tokens = sequence_tokens(cfg)
     for role in ("rollout", "trainer"):
+        if role == "trainer" and _fsdp_trainers(cfg):
+            options[role] = [1]
+            notes.append("trainer: SP 1 (full fine-tuning shards over several trainers with FSDP, which "
+                         "trainer_sp > 1 does not support yet)")
+            continue
         types = sorted({p.device for p in pools if role in p.roles}, key=lambda t: -_memory(t))
         most = min([max((p.count for p in pools if p.device == t), default=1) for t in types[:1]] + [DEGREES[-1]])
         fit = next((d for d in DEGREES if d <= most and any(_fits_at(cfg, role, d, t, traces) for t in types)), None)
@@ -136,6 +141,13 @@ def sp_candidates(cfg: Config, pools: tuple[Pool, ...], traces: object,
     r, t = options["rollout"], options["trainer"]
     pairs = [(r[0], t[0])] + [(x, t[0]) for x in r[1:]] + [(r[0], y) for y in t[1:]]
     return pairs, ["sequence parallelism: " + "; ".join(notes)]
+
+
+def _fsdp_trainers(cfg: Config) -> bool:
+    """Whether several trainers of this config would shard with FSDP (which SP trainers refuse)."""
+    from digenrl.roles.trainer_group import resolve_shard
+
+    return resolve_shard(cfg.train.shard, cfg.model.finetune, 2) == "fsdp"
 
 
 def _memory(device: str) -> float:

@@ -9,8 +9,8 @@ What the run records and the tests read: each publication is the lead trainer's 
 ``trace.json`` (its version, its seconds: pack, send, the far actor staging it, the reply), and
 ``summary.json``'s ``publications`` give each one's bytes (and under compression its method and the far
 actor's error); the far actor's ``reward`` spans include uploading its fragment to the trainer's store; the far
-pool's bubble is ``bubble_ratio["rollout-0"] x seconds`` of each ``metrics.jsonl`` step, the steps between the
-warm-up (step 0) and the drain (the last) averaged. The prediction is the simulator's
+pool's bubble is ``bubble_ratio["rollout-0"] x seconds`` of each ``metrics.jsonl`` step, the median of the steps
+between the warm-up (step 0) and the drain (the last). The prediction is the simulator's
 (``digenrl.plan.links.predict_far_rollout``) for the same config and link, with token costs fitted to the runs'
 own spans (:func:`fitted_costs`).
 

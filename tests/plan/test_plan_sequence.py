@@ -82,3 +82,12 @@ def test_fleet_planner_keeps_sp_1_for_a_short_config() -> None:
                            final_batches=6)
     assert (result.best.rollout_sp, result.best.trainer_sp) == (1, 1)
     assert any("chose placement.rollout_sp = 1, placement.trainer_sp = 1" in n for n in result.notes)
+
+
+def test_full_fine_tuning_keeps_trainers_at_sp_1() -> None:
+    """Several full-fine-tuning trainers shard with FSDP, which SP trainers refuse: the fleet search never
+    proposes trainer_sp > 1 for them (it used to, and `plan --fleet` stopped on the refusal)."""
+    cfg = load_config(CONFIGS / "flux.toml", ["model.finetune=full"])
+    pairs, notes = sp_candidates(cfg, fleet_pools("16xH100"), traces_for(cfg, linear=True))
+    assert {trainer for _, trainer in pairs} == {1}
+    assert "trainer: SP 1 (full fine-tuning shards over several trainers with FSDP" in notes[0]
