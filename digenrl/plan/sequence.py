@@ -144,10 +144,9 @@ def sp_candidates(cfg: Config, pools: tuple[Pool, ...], traces: object,
 
 
 def _fsdp_trainers(cfg: Config) -> bool:
-    """Whether several trainers of this config would shard with FSDP (which SP trainers refuse)."""
-    from digenrl.roles.trainer_group import resolve_shard
-
-    return resolve_shard(cfg.train.shard, cfg.model.finetune, 2) == "fsdp"
+    """Whether several trainers of this config would shard with FSDP (which SP trainers refuse): asked for, or
+    ``auto`` with full fine-tuning (roles/trainer_group.resolve_shard's rule; roles sit above this layer)."""
+    return cfg.train.shard == "fsdp" or (cfg.train.shard == "auto" and cfg.model.finetune == "full")
 
 
 def _memory(device: str) -> float:

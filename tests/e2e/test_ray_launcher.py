@@ -36,8 +36,6 @@ ROWS = 8 * 8 * 1  # prompts x group x trained steps of one logical batch
 KEYS = ("step", "version", "reward_mean", "reward_std", "reward/shapes", "adv_abs_mean", "clipfrac", "approx_kl", "kl",
         "zero_std_ratio", "grad_norm", "policy_loss", "ratio", "max_staleness", "rows_trained", "parity_ratio")
 ROLES = ("digenrl-rollout-0", "digenrl-trainer-0")
-# One private Ray for the module (its fixture), so under pytest-xdist the module runs on one worker.
-pytestmark = pytest.mark.xdist_group("ray")
 
 
 @pytest.fixture(scope="module")

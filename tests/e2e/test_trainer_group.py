@@ -97,6 +97,7 @@ async def test_two_fsdp_trainers_make_the_full_finetune_update_of_one(tmp_path: 
     _assert_same_update(one, two, _initial(*full))
 
 
+@pytest.mark.slow  # ~33 s in CI; FSDP stays there with test_fsdp_keeps_fp32_master_weights_and_computes_in_bf16
 async def test_two_fsdp_trainers_shard_both_wan22_experts(tmp_path: Path) -> None:
     """FSDP2 over a mixture of experts (Wan2.2 A14B, tiny): each expert is a root of its own (the ExpertSet that
     holds them has no forward), and two trainers make one trainer's full fine-tune update of both experts."""

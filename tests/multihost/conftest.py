@@ -15,19 +15,11 @@ from tests.multihost.runs import Placed
 _WHY_NOT = unavailable()
 
 
-# Under pytest-xdist each group runs on one worker, in file order: the tests sharing ``placed``'s runs (or a
-# module's own hosts and Ray cluster) meet them made once.
-_GROUPS = {"test_two_hosts": "placed", "test_ray_two_nodes": "placed"}
-
-
-@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     here = Path(__file__).parent
     for item in items:
         if here in Path(str(item.fspath)).parents:
             item.add_marker(pytest.mark.multihost)
-            module = Path(str(item.fspath)).stem
-            item.add_marker(pytest.mark.xdist_group(f"multihost-{_GROUPS.get(module, module)}"))
             if _WHY_NOT is not None:
                 item.add_marker(pytest.mark.skip(reason=_WHY_NOT))
 

@@ -21,16 +21,16 @@ def keys(tmp_path: Path) -> Path:
 
 
 def test_workers_started_before_the_driver_wait_for_it(hosts: Hosts, keys: Path, tmp_path: Path) -> None:
-    """Both workers first (a launcher starting everything at once), the driver 3 s later: they keep trying
-    (--join-deadline, 120 s by default) and the run completes."""
+    """Both workers first (a launcher starting everything at once), the driver only once both found nothing
+    there: they keep trying (--join-deadline, 120 s by default) and the run completes."""
     a, b = hosts.a, hosts.b
     join = f"tcp://{a.address}:{PORT}"
     workers = [start_worker(a, join, keys, "early-a"), start_worker(b, join, keys, "early-b")]
-    time.sleep(3)
+    for worker in workers:  # each has tried and found nothing there (a fixed sleep raced their start-up)
+        wait_for(worker, "is not reachable yet", 120, hosts)
     driver = start_driver(a, tmp_path / "run", keys, "placement.workers=2")
     assert driver.wait(240) == 0, hosts.logs()
     assert [w.wait(30) for w in workers] == [0, 0], hosts.logs()
-    assert any("is not reachable yet" in w.log.read_text() for w in workers), hosts.logs()
     assert [m["step"] for m in metrics(tmp_path / "run")] == [0, 1]
 
 

@@ -69,6 +69,9 @@ def ray_env(tmp_path: Path) -> dict[str, str]:
         token.chmod(0o600)
     env = child_env(RAY_USAGE_STATS_ENABLED="0", RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(token))
     env.pop("RAY_ADDRESS", None)
+    # tests/e2e/test_ray_launcher.py sets it to 0 in this process when collected (its private Ray on loopback);
+    # Ray then refuses a second node ("Multi-node Ray clusters are not supported on Windows and OSX").
+    env.pop("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", None)
     return env
 
 
