@@ -29,7 +29,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["enable_ulysses", "ulysses_mesh", "transformers_of", "latent_tokens"]
+from digenrl.errors import ConfigError
+
+__all__ = ["enable_ulysses", "ulysses_mesh", "transformers_of", "latent_tokens", "check_sequences"]
 
 
 def transformers_of(model: Any) -> list[torch.nn.Module]:
@@ -115,7 +117,6 @@ def enable_ulysses(name: str, transformer: torch.nn.Module, group: dist.ProcessG
 
 def _sequence_check(name: str, degree: int) -> Any:
     """A forward pre-hook raising ConfigError when ``degree`` does not divide a sequence this call would split."""
-    from digenrl.models.sequence_parallel import check_sequences
 
     def hook(module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
         x = kwargs.get("hidden_states", args[0] if args else None)
@@ -173,3 +174,12 @@ def _hook_hunyuan_mask(transformer: torch.nn.Module, group: dist.ProcessGroup) -
     transformer.register_forward_pre_hook(remember, with_kwargs=True)
     for block in [*transformer.transformer_blocks, *transformer.single_transformer_blocks]:
         block.register_forward_pre_hook(local_mask, with_kwargs=True)
+
+
+def check_sequences(name: str, sequences: dict[str, int], degree: int, heads: int) -> None:
+    """Raise :class:`ConfigError` unless ``degree`` divides every split sequence (``{"image tokens": 16, ...}``)."""
+    for what, length in sequences.items():
+        if length % degree:
+            raise ConfigError(f"sequence parallelism: model {name!r} ({heads} heads) splits {length} {what} over "
+                              f"SP degree {degree}, and {length} is not a multiple of {degree}; change the "
+                              f"resolution, frame count or text length, or the degree")

@@ -65,7 +65,7 @@ def parallelize(model: Any, group: dist.ProcessGroup, mesh: Any = None) -> None:
         ValueError: ``group`` is smaller than the world and ``mesh`` is missing, or is not a (dp, sp) mesh whose
             ``sp`` group is ``group``.
     """
-    from digenrl.models._sp_plans import enable_ulysses, transformers_of, ulysses_mesh
+    from digenrl.models._sp_plans import check_sequences, enable_ulysses, transformers_of, ulysses_mesh
 
     degree = dist.get_world_size(group)
     if degree == 1:
@@ -149,15 +149,6 @@ def check_heads(name: str, transformer: torch.nn.Module, degree: int) -> None:
     if heads % degree:
         raise ConfigError(f"sequence parallelism: model {name!r} has {heads} attention heads, not divisible by the "
                           f"SP degree {degree} (Ulysses gives each rank heads/degree); use a degree dividing {heads}")
-
-
-def check_sequences(name: str, sequences: dict[str, int], degree: int, heads: int) -> None:
-    """Raise :class:`ConfigError` unless ``degree`` divides every split sequence (``{"image tokens": 16, ...}``)."""
-    for what, length in sequences.items():
-        if length % degree:
-            raise ConfigError(f"sequence parallelism: model {name!r} ({heads} heads) splits {length} {what} over "
-                              f"SP degree {degree}, and {length} is not a multiple of {degree}; change the "
-                              f"resolution, frame count or text length, or the degree")
 
 
 def configured_sequences(model: Any) -> dict[str, int]:

@@ -24,7 +24,8 @@ import pytest
 import torch
 
 from digenrl.errors import ConfigError
-from digenrl.models.sequence_parallel import check_heads, check_sequences, sp_group_size, sync_gradients
+from digenrl.models._sp_plans import check_sequences
+from digenrl.models.sequence_parallel import check_heads, sp_group_size, sync_gradients
 from tests.conftest import ROOT, child_env, gpu_test
 
 MEMBER = Path(__file__).with_name("_sp_member.py")
