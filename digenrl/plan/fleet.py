@@ -223,14 +223,9 @@ def plan_fleet(cfg: Config, pools: tuple[Pool, ...], *, top: int = 5, batches: i
         notes.append(_keep_or_leave_shipped(unique, shipped, tolerance))
     if colocated_config:
         notes.insert(0, "the config's schedule is colocated: its splits are searched with async1")
-    hybrid, why = search.hybrid(final)
-    if hybrid is not None:
-        notes.append(_colocated_or_split(unique, hybrid, tolerance, cfg.schedule.name))
-    else:
-        notes.append(why)
+    hybrid = _no_split(search, final, unique, tolerance, cfg, notes)
     moving = window_note(fitted, cfg, pools[0].device, sum(p.count for p in pools)) if len(pools) == 1 else None
-    if moving:
-        notes.append(moving)
+    notes.extend([moving] if moving else [])
     notes.append("rows_per_pass: the largest the trainer memory allows (capped at a training token's rows); "
                  "the simulator's cost does not depend on it")
     shown, split_best = _shown(unique, top, shipped, hybrid, per_split)
@@ -302,6 +297,15 @@ def _keep_or_leave_shipped(unique: list[Candidate], shipped: Candidate, toleranc
                 f"simulator's measured error ({tolerance:.1%})")
     return (f"the best placement is predicted {gain:+.1%} faster than the shipped one ({shipped.split}, "
             f"tag_steps {shipped.tag_steps}), beyond the simulator's measured error ({tolerance:.1%})")
+
+
+def _no_split(search: SplitSearch, final: Any, unique: list[Candidate], tolerance: float, cfg: Config,
+              notes: list[str]) -> Candidate | None:
+    """``colocated-tsp`` on the same devices over the final run (or why not), its verdict against the best split
+    appended to ``notes``."""
+    hybrid, why = search.hybrid(final)
+    notes.append(why if hybrid is None else _colocated_or_split(unique, hybrid, tolerance, cfg.schedule.name))
+    return hybrid
 
 
 def _colocated_or_split(unique: list[Candidate], hybrid: Candidate, tolerance: float, schedule: str) -> str:
